@@ -1,0 +1,180 @@
+"""The actor process: builds the worker object, then serves its mailbox until told to stop.
+
+Runs in a process started with the `spawn` method. It dies with its parent even
+when the parent is SIGKILLed: the kernel's parent-death signal covers an actor
+stuck in C code, and a watcher thread on the parent's sentinel covers the case
+where that signal could not be armed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import importlib
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass, field
+from functools import partial
+from multiprocessing import parent_process
+from multiprocessing.connection import Connection, wait
+from typing import Any, Optional
+
+from actors.context import ActorContext
+from actors.control import Address, connect_registry
+from actors.errors import SerializationError, format_rank, pack_exception
+from actors.messages import READY_ID, STOP, decode_header, dumps
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class ActorSpec:
+    """Everything an actor process needs; pickled into the spawned child."""
+
+    worker: str
+    worker_kwargs: dict[str, Any]
+    global_rank: int
+    tp_size: int
+    pp_size: int
+    epoch: int
+    control_address: Address
+    authkey: bytes
+    conn: Connection
+    progress: Any  # multiprocessing RawArray('q'): last call id each rank finished
+    stack_file: str
+    parent_pid: int
+    pdeathsig: bool
+    env: dict[str, str] = field(default_factory=dict)
+    cpus: Optional[list[int]] = None
+    fault_plan: Any = None
+
+    @property
+    def coords(self) -> tuple[int, int]:
+        return divmod(self.global_rank, self.tp_size)
+
+
+def import_worker(path: str) -> type:
+    """The class named by 'package.module:ClassName'."""
+    module_name, sep, qualname = path.partition(":")
+    if not sep or not module_name or not qualname:
+        raise ImportError(f"worker must be given as 'package.module:ClassName', got {path!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ImportError(f"module {module_name!r} has no attribute {qualname!r}") from None
+    return obj
+
+
+def _arm_parent_death(spec: ActorSpec) -> None:
+    if spec.pdeathsig and sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != spec.parent_pid:  # the parent died before the signal was armed
+        os._exit(1)
+    parent = parent_process()
+    if parent is not None:
+
+        def watch() -> None:
+            wait([parent.sentinel])
+            os._exit(1)
+
+        threading.Thread(target=watch, name="pipeactors-parent-watch", daemon=True).start()
+
+
+def _build_worker(spec: ActorSpec) -> Any:
+    registry = connect_registry(spec.control_address, spec.authkey)
+    rendezvous = registry.rendezvous()
+    registry.register(spec.global_rank, spec.epoch, os.getpid(), socket.gethostname())
+    pp, tp = spec.coords
+    ctx = ActorContext(
+        pp=pp,
+        tp=tp,
+        tp_size=spec.tp_size,
+        pp_size=spec.pp_size,
+        master_addr=rendezvous["master_addr"],
+        master_port=rendezvous["master_port"],
+        epoch=spec.epoch,
+    )
+    cls = import_worker(spec.worker)
+    return cls(ctx, **spec.worker_kwargs)
+
+
+def _resolve(worker: Any, method: Any) -> Any:
+    if not isinstance(method, str):
+        return partial(method, worker)
+    if method.startswith("_"):
+        raise AttributeError(f"{type(worker).__name__} method {method!r} is private")
+    fn = getattr(worker, method, None)
+    if fn is None or not callable(fn):
+        raise AttributeError(f"{type(worker).__name__} has no method {method!r}")
+    return fn
+
+
+def actor_main(spec: ActorSpec) -> None:
+    """Entry point of an actor process."""
+    _arm_parent_death(spec)
+    os.environ.update(spec.env)
+    if spec.cpus:
+        os.sched_setaffinity(0, spec.cpus)
+    # Stacks on demand (SIGUSR1) for hang reports; tracebacks on a crash.
+    stack_out = open(spec.stack_file, "a")
+    faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
+    faulthandler.enable(file=sys.stderr)
+    conn = spec.conn
+    rank = spec.global_rank
+    try:
+        worker = _build_worker(spec)
+    except BaseException as exc:  # report any failure, even SystemExit from a constructor
+        conn.send_bytes(pickle.dumps((READY_ID, rank, False, pack_exception(exc))))
+        return
+    conn.send_bytes(pickle.dumps((READY_ID, rank, True, (os.getpid(), socket.gethostname()))))
+    faults = spec.fault_plan.for_rank(spec.coords) if spec.fault_plan is not None else None
+    _serve(conn, worker, rank, spec.progress, faults)
+    shutdown = getattr(worker, "shutdown", None)
+    if callable(shutdown):
+        try:
+            shutdown()
+        except Exception:
+            logger.exception("shutdown of the worker on %s failed", format_rank(spec.coords))
+
+
+def _serve(conn: Connection, worker: Any, rank: int, progress: Any, faults: Any) -> None:
+    while True:
+        try:
+            frame = conn.recv_bytes()
+        except (EOFError, OSError):  # the supervisor is gone
+            return
+        (kind, call_id, reply_ranks), body = decode_header(frame)
+        if kind == STOP:
+            return
+        replies = reply_ranks is None or rank in reply_ranks
+        reply: Optional[bytes] = None
+        name = "?"
+        try:
+            method, args, kwargs = pickle.loads(body)
+            name = method if isinstance(method, str) else getattr(method, "__qualname__", repr(method))
+            fn = _resolve(worker, method)
+            if faults is not None:
+                faults.before(name)
+            value = fn(*args, **kwargs)
+            if replies:
+                try:
+                    reply = dumps((call_id, rank, True, value))
+                except Exception as exc:
+                    raise SerializationError(
+                        f"cannot pickle the result of {name!r}: {type(exc).__name__}: {exc}"
+                    ) from exc
+        except Exception as exc:
+            reply = dumps((call_id, rank, False, pack_exception(exc)))
+        progress[rank] = call_id
+        if reply is not None:
+            conn.send_bytes(reply)

@@ -1,0 +1,269 @@
+"""The actor processes of one epoch: start with a readiness barrier, describe deaths, stop.
+
+A gang starts all its actors at once and waits for each one's first message
+(ready, or the traceback that stopped it) or its death, within a deadline. It
+stops by asking every actor to leave, then after a grace period SIGTERM, then
+SIGKILL, and joins each process, so nothing outlives it.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Optional
+
+from actors.actor import ActorSpec, actor_main
+from actors.context import RankMap
+from actors.control import Address
+from actors.errors import (
+    ActorDied,
+    ActorStartupError,
+    Coords,
+    SerializationError,
+    format_rank,
+    unpack_exception,
+)
+from actors.mailbox import Mailbox
+from actors.messages import READY_ID, encode_stop
+
+logger = logging.getLogger(__name__)
+
+_spawn = mp.get_context("spawn")
+
+
+def signal_name(exitcode: Optional[int]) -> Optional[str]:
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class GangSpec:
+    """What every epoch of a gang is built from."""
+
+    worker: str
+    worker_kwargs: dict[str, Any]
+    ranks: RankMap
+    env: dict[str, str] = field(default_factory=dict)
+    cpus: Optional[Callable[[int], Optional[list[int]]]] = None
+    fault_plan: Any = None
+
+
+class Gang:
+    """One epoch's actor processes, their mailboxes and the shared progress counters."""
+
+    def __init__(
+        self, spec: GangSpec, epoch: int, control_address: Address, authkey: bytes, workdir: str
+    ) -> None:
+        self.spec = spec
+        self.epoch = epoch
+        self.ranks = spec.ranks
+        world = self.ranks.world_size
+        # One int64 per rank: the id of the last call it finished. Read only to
+        # name the ranks behind a missed deadline, so it costs the hot path nothing.
+        self.progress = _spawn.RawArray("q", world)
+        self.stack_files = [os.path.join(workdir, f"stacks-e{epoch}-r{r}.txt") for r in range(world)]
+        self.processes: list[mp.process.BaseProcess] = []
+        self.mailboxes: list[Mailbox] = []
+        self.hosts: list[str] = [""] * world
+        self._child_ends: list[Connection] = []
+        self._stopped = False
+        self._lock = threading.Lock()
+        try:
+            pickle.dumps(spec.worker_kwargs)
+        except Exception as exc:
+            raise SerializationError(f"cannot pickle worker_kwargs: {type(exc).__name__}: {exc}") from exc
+        pdeathsig = threading.current_thread() is threading.main_thread()
+        for rank in range(world):
+            ours, theirs = _spawn.Pipe(duplex=True)
+            pp, tp = self.ranks.coords(rank)
+            actor = ActorSpec(
+                worker=spec.worker,
+                worker_kwargs=spec.worker_kwargs,
+                global_rank=rank,
+                tp_size=self.ranks.tp_size,
+                pp_size=self.ranks.pp_size,
+                epoch=epoch,
+                control_address=control_address,
+                authkey=authkey,
+                conn=theirs,
+                progress=self.progress,
+                stack_file=self.stack_files[rank],
+                parent_pid=os.getpid(),
+                pdeathsig=pdeathsig,
+                env=dict(spec.env),
+                cpus=spec.cpus(rank) if spec.cpus else None,
+                fault_plan=spec.fault_plan,
+            )
+            proc = _spawn.Process(
+                target=actor_main, args=(actor,), name=f"pipeactors-e{epoch}-pp{pp}-tp{tp}", daemon=True
+            )
+            self.processes.append(proc)
+            self.mailboxes.append(Mailbox(ours, f"pp{pp}-tp{tp}"))
+            self._child_ends.append(theirs)
+
+    @property
+    def conns(self) -> list[Connection]:
+        return [box.conn for box in self.mailboxes]
+
+    @property
+    def sentinels(self) -> list[int]:
+        return [proc.sentinel for proc in self.processes]
+
+    @property
+    def pids(self) -> list[Optional[int]]:
+        return [proc.pid for proc in self.processes]
+
+    def start(self, timeout: float) -> None:
+        """Start every actor and wait until all are ready; on any failure stop them all and raise."""
+        try:
+            for proc in self.processes:
+                proc.start()
+        except BaseException:
+            self.stop(grace=0.0)
+            raise
+        for end in self._child_ends:  # the children hold their own copies now
+            end.close()
+        self._child_ends = []
+        try:
+            self._await_ready(timeout)
+        except BaseException:
+            self.stop(grace=0.5)
+            raise
+
+    def _await_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        waiting = dict(enumerate(self.conns))
+        by_sentinel = {proc.sentinel: rank for rank, proc in enumerate(self.processes)}
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ranks = sorted(waiting)
+                stacks = self.collect_stacks(ranks)
+                names = ", ".join(format_rank(self.ranks.coords(r)) for r in ranks)
+                detail = "".join(
+                    f"\n--- Python stacks of {format_rank(self.ranks.coords(r))} ---\n{text}" for r, text in stacks.items()
+                )
+                raise ActorStartupError(
+                    f"worker {self.spec.worker!r} not ready within {timeout:g}s on {names}{detail}",
+                    rank=self.ranks.coords(ranks[0]),
+                )
+            ready = wait(list(waiting.values()) + [s for s, r in by_sentinel.items() if r in waiting], left)
+            for obj in ready:
+                if isinstance(obj, int):
+                    rank = by_sentinel[obj]
+                    if rank in waiting and not waiting[rank].poll():
+                        died = self.death_of(rank, during="startup")
+                        raise ActorStartupError(
+                            f"worker {self.spec.worker!r} failed to start: {died}", rank=died.rank
+                        ) from died
+                    continue
+                rank = next(r for r, c in waiting.items() if c is obj)
+                try:
+                    call_id, _, ok, payload = pickle.loads(obj.recv_bytes())
+                except (EOFError, OSError):
+                    died = self.death_of(rank, during="startup")
+                    raise ActorStartupError(
+                        f"worker {self.spec.worker!r} failed to start: {died}", rank=died.rank
+                    ) from died
+                assert call_id == READY_ID
+                coords = self.ranks.coords(rank)
+                if not ok:
+                    cause = unpack_exception(payload, coords, "startup", self.processes[rank].pid, "")
+                    raise ActorStartupError(
+                        f"worker {self.spec.worker!r} failed to start on {format_rank(coords)}: {cause}",
+                        rank=coords,
+                    ) from cause
+                self.hosts[rank] = payload[1]
+                del waiting[rank]
+
+    def death_of(self, rank: int, during: str = "") -> ActorDied:
+        """The ActorDied for a rank whose process ended (or whose pipe closed)."""
+        proc = self.processes[rank]
+        proc.join(timeout=1.0)
+        return ActorDied(self.ranks.coords(rank), proc.exitcode, signal_name(proc.exitcode), proc.pid, during)
+
+    def unfinished(self, call_id: int) -> list[int]:
+        """Ranks whose last finished call is older than call_id."""
+        return [rank for rank in range(self.ranks.world_size) if self.progress[rank] < call_id]
+
+    def collect_stacks(self, ranks: list[int], settle: float = 0.3) -> dict[int, str]:
+        """Python stacks of live actors, dumped by faulthandler on SIGUSR1."""
+        offsets: dict[int, int] = {}
+        for rank in ranks:
+            proc = self.processes[rank]
+            if proc.pid is None or not proc.is_alive():
+                continue
+            try:
+                offsets[rank] = os.path.getsize(self.stack_files[rank])
+            except OSError:
+                offsets[rank] = 0
+            try:
+                os.kill(proc.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                offsets.pop(rank)
+        if not offsets:
+            return {}
+        time.sleep(settle)
+        stacks = {}
+        for rank, offset in offsets.items():
+            try:
+                with open(self.stack_files[rank]) as f:
+                    f.seek(offset)
+                    stacks[rank] = f.read()
+            except OSError:
+                pass
+        return stacks
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Ask each actor to leave, then SIGTERM, then SIGKILL; join all. Idempotent."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        started = [p for p in self.processes if p.pid is not None]
+        if grace > 0:
+            stop = encode_stop()
+            for proc, box in zip(self.processes, self.mailboxes):
+                if proc.pid is not None and proc.exitcode is None:
+                    box.post(stop)
+        deadline = time.monotonic() + grace
+        for proc in started:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for sig_name, wait_s in (("terminate", 1.0), ("kill", 5.0)):
+            alive = [p for p in started if p.exitcode is None]
+            if not alive:
+                break
+            for proc in alive:
+                logger.debug("sending %s to actor pid %s", sig_name, proc.pid)
+                getattr(proc, sig_name)()
+            deadline = time.monotonic() + wait_s
+            for proc in alive:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for box in self.mailboxes:
+            box.close()
+        for end in self._child_ends:
+            end.close()
+        self._child_ends = []
+        for path in self.stack_files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,312 @@
+"""Resolves call futures from actor replies, by call id, and watches for deaths and deadlines.
+
+Replies are read by one thread at a time, the *reader*. The reply-router thread
+takes that role whenever calls are outstanding and nobody else reads. A caller
+that blocks on its own call (`collective_rpc`) and finds no reader reads the
+replies itself: on this 2-core VM every hand-over between threads costs a
+cross-core wake-up of 50 us or more, which would double the round trip of a
+small call. Whoever reads resolves every reply it sees, not only its own.
+
+Both the reader and the idle router wait on every actor's process sentinel, so a
+death fails every pending call at once, without waiting for a deadline.
+
+Deadlines: a call's clock starts when it becomes the oldest outstanding call,
+i.e. when the call ahead of it finishes, so pipelined batches are not charged
+for waiting in line.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import logging
+import os
+import pickle
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Optional
+
+from actors.errors import ActorError, ActorTimeout, SupervisorClosed, unpack_exception
+from actors.gang import Gang
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class PendingCall:
+    """A call sent to every actor, waiting for the replies of `reply_ranks`."""
+
+    call_id: int
+    method: str
+    reply_ranks: tuple[int, ...]
+    single: bool
+    timeout: Optional[float]
+    future: Future = field(default_factory=Future)
+    values: dict[int, Any] = field(default_factory=dict)
+    started: Optional[float] = None
+
+
+def _wake_pipe() -> tuple[int, int]:
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    return r, w
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _poke(fd: int) -> None:
+    try:
+        os.write(fd, b"x")
+    except (BlockingIOError, OSError):  # already poked, or closed
+        pass
+
+
+class Router:
+    """The reply router of one gang (one epoch)."""
+
+    def __init__(
+        self,
+        gang: Gang,
+        on_fatal: Callable[[ActorError], None],
+        on_timeout: Callable[[ActorTimeout], None],
+    ) -> None:
+        self.gang = gang
+        self._on_fatal = on_fatal
+        self._on_timeout = on_timeout
+        self._lock = threading.Lock()
+        self._reader = threading.Lock()
+        self._pending: collections.OrderedDict[int, PendingCall] = collections.OrderedDict()
+        self._conn_rank: dict[Connection, int] = {c: r for r, c in enumerate(gang.conns)}
+        self._sentinel_rank: dict[int, int] = {s: r for r, s in enumerate(gang.sentinels)}
+        self._router_wake = _wake_pipe()
+        self._reader_wake = _wake_pipe()
+        self._failure: Optional[ActorError] = None
+        self._fatal_reported = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"pipeactors-router-e{gang.epoch}", daemon=True)
+        self._thread.start()
+
+    # ----- called by the supervisor -----
+
+    @property
+    def failure(self) -> Optional[ActorError]:
+        return self._failure
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def register(self, call: PendingCall) -> None:
+        """Track a call before its frames are posted, so no reply can beat it."""
+        with self._lock:
+            self._raise_if_unusable()
+            if not self._pending:
+                call.started = time.monotonic()
+                _poke(self._reader_wake[1])  # a reader must learn the new deadline
+            self._pending[call.call_id] = call
+
+    def forget(self, call: PendingCall) -> None:
+        with self._lock:
+            self._pop(call)
+
+    def wake(self) -> None:
+        """Make sure somebody reads replies (after an asynchronous submit)."""
+        _poke(self._router_wake[1])
+
+    def wait(self, call: PendingCall) -> Any:
+        """Block until `call` resolves, reading replies in this thread when nobody else does."""
+        if not call.future.done() and self._reader.acquire(blocking=False):
+            try:
+                self._pump(call.future.done, as_router=False)
+            finally:
+                self._reader.release()
+                if self._pending or self._failure is not None:
+                    self.wake()
+        return call.future.result()
+
+    def close(self, reason: ActorError) -> None:
+        """Fail what is pending with `reason` and stop the router thread."""
+        with self._lock:
+            self._closed = True
+            calls = list(self._pending.values())
+            self._pending.clear()
+        for call in calls:
+            call.future.set_exception(copy.copy(reason))
+        _poke(self._router_wake[1])
+        _poke(self._reader_wake[1])
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10.0)
+
+    def quiesce(self, timeout: float = 5.0) -> bool:
+        """Wait until nobody is reading; the caller may then close the gang's pipes."""
+        if self._reader.acquire(timeout=timeout):
+            self._reader.release()
+            return True
+        return False
+
+    def release_fds(self) -> None:
+        for fd in (*self._router_wake, *self._reader_wake):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # ----- internals -----
+
+    def _raise_if_unusable(self) -> None:
+        if self._failure is not None:
+            raise copy.copy(self._failure)
+        if self._closed:
+            raise SupervisorClosed("the supervisor is closed")
+
+    def _pop(self, call: PendingCall) -> None:
+        was_head = next(iter(self._pending), None) == call.call_id
+        if self._pending.pop(call.call_id, None) is not None and was_head and self._pending:
+            head = next(iter(self._pending.values()))
+            head.started = time.monotonic()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                failure, report = self._failure, self._failure is not None and not self._fatal_reported
+                if report:
+                    self._fatal_reported = True
+            _drain(self._router_wake[0])
+            if report:
+                try:
+                    self._on_fatal(failure)
+                except Exception:
+                    logger.exception("handling the failure of the gang failed")
+                continue
+            if self._pending and failure is None and self._reader.acquire(blocking=False):
+                try:
+                    self._pump(lambda: not self._pending or self._closed, as_router=True)
+                finally:
+                    self._reader.release()
+                continue
+            watch: list[Any] = [self._router_wake[0]]
+            if failure is None:
+                watch += list(self._sentinel_rank)
+            for obj in wait(watch):
+                if obj in self._sentinel_rank:
+                    self._actor_gone(self._sentinel_rank[obj])
+
+    def _pump(self, until: Callable[[], bool], as_router: bool) -> None:
+        while not until():
+            with self._lock:
+                if self._failure is not None or self._closed:
+                    return
+                timeout = None
+                if self._pending:
+                    head = next(iter(self._pending.values()))
+                    if head.timeout is not None and head.started is not None:
+                        timeout = max(0.0, head.started + head.timeout - time.monotonic())
+            watch: list[Any] = [*self._conn_rank, *self._sentinel_rank, self._reader_wake[0]]
+            if as_router:
+                watch.append(self._router_wake[0])
+            try:
+                ready = wait(watch, timeout)
+            except (OSError, ValueError):  # pipes closed under us by a shutdown
+                return
+            if not ready:
+                self._check_deadline()
+                continue
+            gone: list[int] = []
+            for obj in ready:
+                if isinstance(obj, Connection):
+                    self._read(obj, gone)
+                elif obj in self._sentinel_rank:
+                    gone.append(self._sentinel_rank[obj])
+                elif obj == self._reader_wake[0]:
+                    _drain(obj)
+                else:
+                    return  # the router was poked: close or failure; re-check in _run
+            for rank in gone:
+                conn = self.gang.conns[rank]
+                while not conn.closed and conn.poll():  # replies sent just before dying still count
+                    if not self._read(conn, []):
+                        break
+                self._actor_gone(rank)
+            self._check_deadline()
+
+    def _read(self, conn: Connection, gone: list[int]) -> bool:
+        try:
+            frame = conn.recv_bytes()
+        except (EOFError, OSError):
+            gone.append(self._conn_rank[conn])
+            return False
+        call_id, rank, ok, payload = pickle.loads(frame)
+        self._deliver(call_id, rank, ok, payload)
+        return True
+
+    def _deliver(self, call_id: int, rank: int, ok: bool, payload: Any) -> None:
+        with self._lock:
+            call = self._pending.get(call_id)
+            if call is None:  # a late reply to a call that already failed or timed out
+                return
+            if ok:
+                call.values[rank] = payload
+                if len(call.values) < len(call.reply_ranks):
+                    return
+            self._pop(call)
+        if ok:
+            if call.single:
+                call.future.set_result(call.values[call.reply_ranks[0]])
+            else:
+                call.future.set_result([call.values[r] for r in call.reply_ranks])
+            return
+        coords = self.gang.ranks.coords(rank)
+        proc = self.gang.processes[rank]
+        call.future.set_exception(unpack_exception(payload, coords, call.method, proc.pid, self.gang.hosts[rank]))
+
+    def _actor_gone(self, rank: int) -> None:
+        with self._lock:
+            if self._failure is not None or self._closed:
+                return
+            head = next(iter(self._pending.values()), None)
+        during = f"call {head.call_id} {head.method!r}" if head else "idle"
+        died = self.gang.death_of(rank, during=during)
+        with self._lock:
+            if self._failure is not None or self._closed:
+                return
+            self._failure = died
+            calls = list(self._pending.values())
+            self._pending.clear()
+        logger.error("%s", died)
+        for call in calls:
+            call.future.set_exception(copy.copy(died))
+        _poke(self._router_wake[1])
+
+    def _check_deadline(self) -> None:
+        with self._lock:
+            head = next(iter(self._pending.values()), None)
+            if head is None or head.timeout is None or head.started is None:
+                return
+            if time.monotonic() < head.started + head.timeout:
+                return
+            self._pop(head)
+            silent = {r for r in head.reply_ranks if r not in head.values}
+        ranks = sorted(silent | set(self.gang.unfinished(head.call_id)))
+        stacks = self.gang.collect_stacks(ranks)
+        coords = self.gang.ranks.coords
+        err = ActorTimeout(
+            head.method, head.call_id, head.timeout, [coords(r) for r in ranks], {coords(r): s for r, s in stacks.items()}
+        )
+        logger.error("%s", err)
+        head.future.set_exception(err)
+        try:
+            self._on_timeout(err)
+        except Exception:
+            logger.exception("handling a timeout failed")
