@@ -125,7 +125,7 @@ class RemoteError(ActorError):
         super().__init__(message)
 
     def __str__(self) -> str:
-        return self.args[0] if self.args else ""
+        return self.__dict__.get("message", "")
 
     def __getattr__(self, name: str) -> Any:
         # Attributes of the original exception (errno, filename, ...) stay reachable.
@@ -171,7 +171,14 @@ def _rebuild_remote_error(
     err = cls.__new__(cls)
     where = f"{format_rank(rank)} (pid {pid} on {host})"
     summary = type_name + (f": {cause}" if cause is not None and str(cause) else "")
-    BaseException.__init__(err, f"{summary}\n  raised in {method!r} on {where}\n{remote_tb.rstrip()}")
+    if cause is not None:
+        # The original's own state: args, instance attributes, and OSError's C-level fields.
+        err.args = cause.args
+        err.__dict__.update(getattr(cause, "__dict__", {}))
+        if isinstance(cause, OSError) and isinstance(err, OSError):
+            for name in ("errno", "strerror", "filename", "filename2"):
+                setattr(err, name, getattr(cause, name))
+    err.message = f"{summary}\n  raised in {method!r} on {where}\n{remote_tb.rstrip()}"
     err.rank = rank
     err.method = method
     err.cause = cause

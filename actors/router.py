@@ -254,7 +254,10 @@ class Router:
     def _deliver(self, call_id: int, rank: int, ok: bool, payload: Any) -> None:
         with self._lock:
             call = self._pending.get(call_id)
-            if call is None:  # a late reply to a call that already failed or timed out
+            if call is None:  # a late reply to a call that already resolved, failed or timed out
+                if not ok:
+                    err = unpack_exception(payload, self.gang.ranks.coords(rank), "?", None, "")
+                    logger.error("call %d failed on %s after it had resolved: %s", call_id, err.rank, err)
                 return
             if ok:
                 call.values[rank] = payload

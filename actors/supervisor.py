@@ -53,6 +53,17 @@ class _Runtime:
         self.router: Optional[Router] = None
         self.closed = False
 
+    def on_fatal(self, error: ActorError) -> None:
+        """Runs in the router thread once the gang is broken: shut the rest of it down."""
+        gang, router = self.gang, self.router
+        if router is not None:
+            router.quiesce()
+        if gang is not None:
+            gang.stop(grace=0.5)
+
+    def on_timeout(self, error: ActorTimeout) -> None:
+        logger.warning("deadline missed: %s", error)
+
     def shutdown(self, grace: float) -> None:
         with self.lock:
             if self.closed:
@@ -230,7 +241,8 @@ class Supervisor:
         except BaseException:
             self._slots.release()
             raise
-        call.future.add_done_callback(lambda _: self._slots.release())
+        slots = self._slots  # the callback must not keep the handle alive
+        call.future.add_done_callback(lambda _: slots.release())
         router.wake()
         return call.future
 
@@ -295,7 +307,7 @@ class Supervisor:
         gang.start(timeout)
         with self._rt.lock:
             self._rt.gang = gang
-            self._rt.router = Router(gang, self._on_fatal, self._on_timeout)
+            self._rt.router = Router(gang, self._rt.on_fatal, self._rt.on_timeout)
         logger.info(
             "started %s on %d actors (tp=%d, pp=%d), pids %s",
             self._spec.worker,
@@ -304,17 +316,6 @@ class Supervisor:
             self.pp_size,
             gang.pids,
         )
-
-    def _on_fatal(self, error: ActorError) -> None:
-        """Runs in the router thread once the gang is broken: shut the rest of it down."""
-        gang, router = self._rt.gang, self._rt.router
-        if router is not None:
-            router.quiesce()
-        if gang is not None:
-            gang.stop(grace=0.5)
-
-    def _on_timeout(self, error: ActorTimeout) -> None:
-        logger.warning("deadline missed: %s", error)
 
     def close(self) -> None:
         """Stop every actor and release every resource. Idempotent; pending calls fail with SupervisorClosed."""
