@@ -177,13 +177,15 @@ class Router:
 
     def _run(self) -> None:
         while True:
+            # Drain before looking at the state: a poke that lands after the look is then
+            # still in the pipe when we wait, so no wake-up is lost.
+            _drain(self._router_wake[0])
             with self._lock:
                 if self._closed:
                     return
                 failure, report = self._failure, self._failure is not None and not self._fatal_reported
                 if report:
                     self._fatal_reported = True
-            _drain(self._router_wake[0])
             if report:
                 try:
                     self._on_fatal(failure)

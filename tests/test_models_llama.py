@@ -1,0 +1,259 @@
+"""The Llama forward at TP1xPP1, in process, against transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from actors.context import ActorContext
+from models.batch import ModelBatch, SequenceChunk
+from models.config import Layout, LlamaArgs, ModelConfigError, check_layout, load_config, split_layers
+from models.kv_cache import PagedKVCache
+from models.llama import rope_inv_freq
+from models.step import BatchError
+from models.worker import LlamaWorker
+from tests.model_checkpoints import (
+    LLAMA3_ROPE,
+    PROMPTS,
+    TINY,
+    block_tables,
+    build_checkpoint,
+    prefill_batch,
+    reference_greedy,
+    reference_last_logits,
+    run_greedy,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+BLOCK = 8
+NEW_TOKENS = 8
+KV_BYTES = 2**20
+
+
+def single_rank() -> ActorContext:
+    return ActorContext(pp=0, tp=0, tp_size=1, pp_size=1, master_addr="127.0.0.1", master_port=0)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return {
+        "single": build_checkpoint(root / "single"),
+        "sharded": build_checkpoint(root / "sharded", seed=1, max_shard_size="100KB"),
+        "tied": build_checkpoint(root / "tied", seed=2, tie_word_embeddings=True),
+        "llama3": build_checkpoint(root / "llama3", seed=3, **LLAMA3_ROPE),
+    }
+
+
+@pytest.fixture(scope="module")
+def workers(checkpoints):
+    """One loaded single-rank worker per checkpoint, built on first use."""
+    built: dict[str, LlamaWorker] = {}
+
+    def get(name: str) -> LlamaWorker:
+        if name not in built:
+            worker = LlamaWorker(single_rank(), model=checkpoints[name], kv_cache_bytes=KV_BYTES, block_size=BLOCK)
+            worker.load_model()
+            built[name] = worker
+        return built[name]
+
+    yield get
+    for worker in built.values():
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("name", ["single", "sharded", "tied", "llama3"])
+def test_greedy_tokens_match_transformers_generate(checkpoints, workers, name):
+    got = run_greedy(workers(name).execute_model, PROMPTS, NEW_TOKENS, BLOCK)
+    assert got == reference_greedy(checkpoints[name], PROMPTS, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("name", ["single", "tied", "llama3"])
+def test_last_position_logits_match_transformers(checkpoints, workers, name):
+    tables = block_tables([len(p) for p in PROMPTS], BLOCK)
+    logits = workers(name).compute_logits(prefill_batch(PROMPTS, tables))
+    expected = reference_last_logits(checkpoints[name], PROMPTS)
+    assert logits.shape == expected.shape
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+def test_chunked_prefill_matches_one_shot_prefill(checkpoints, workers):
+    worker, prompt = workers("single"), PROMPTS[4]
+    table = block_tables([len(prompt)], BLOCK)[0]
+    split = 11  # not on a block boundary
+    first = ModelBatch(0, [SequenceChunk(0, prompt[:split], 0, table, sample=False)])
+    assert worker.compute_logits(first) is None
+    rest = ModelBatch(1, [SequenceChunk(0, prompt[split:], split, table)])
+    expected = reference_last_logits(checkpoints["single"], [prompt])
+    torch.testing.assert_close(worker.compute_logits(rest), expected, atol=1e-4, rtol=0)
+
+
+def test_batch_mixing_prefill_and_decode_matches_transformers(checkpoints, workers):
+    worker = workers("single")
+    decoding, fresh = PROMPTS[2], PROMPTS[0]
+    tables = block_tables([len(decoding) + 1, len(fresh)], BLOCK)
+    worker.execute_model(ModelBatch(0, [SequenceChunk(0, decoding[:-1], 0, tables[0], sample=False)]))
+    mixed = ModelBatch(
+        1,
+        [
+            SequenceChunk(1, fresh, 0, tables[1]),
+            SequenceChunk(0, decoding[-1:], len(decoding) - 1, tables[0]),
+        ],
+    )
+    expected = reference_last_logits(checkpoints["single"], [fresh, decoding])
+    torch.testing.assert_close(worker.compute_logits(mixed), expected, atol=1e-4, rtol=0)
+
+
+def test_output_lists_only_chunks_that_sample(workers):
+    worker = workers("single")
+    tables = block_tables([4, 4, 4], BLOCK)
+    batch = ModelBatch(
+        7,
+        [
+            SequenceChunk(10, [1, 2, 3], 0, tables[0]),
+            SequenceChunk(11, [4, 5], 0, tables[1], sample=False),
+            SequenceChunk(12, [6], 0, tables[2]),
+        ],
+    )
+    out = worker.execute_model(batch)
+    assert (out.batch_id, out.seq_ids, len(out.token_ids), out.logprobs) == (7, [10, 12], 2, None)
+
+
+def test_llama3_inv_freq_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(**{**LLAMA3_ROPE, "rope_scaling": dict(LLAMA3_ROPE["rope_scaling"])})
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
+    got = rope_inv_freq(LlamaArgs.from_hf(config))
+    assert torch.equal(got, expected)
+    # The scaling must actually change something at this config, or the greedy test proves little.
+    plain = rope_inv_freq(LlamaArgs.from_dict({**TINY, "rope_theta": LLAMA3_ROPE["rope_theta"]}))
+    assert not torch.equal(got, plain)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"rope_theta": 50000.0, "head_dim": 32},
+        {"num_key_value_heads": None},
+        {"rope_scaling": {"type": "linear", "factor": 2.0}},
+        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+    ],
+)
+def test_config_json_reads_like_transformers(tmp_path, extra):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    raw = {**TINY, **extra, "model_type": "llama"}
+    raw = {k: v for k, v in raw.items() if v is not None}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    ours = load_config(tmp_path)
+    theirs = LlamaConfig.from_pretrained(tmp_path)
+    for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert ours.rope_type == theirs.rope_parameters["rope_type"]
+    assert torch.equal(rope_inv_freq(ours), LlamaRotaryEmbedding(theirs).inv_freq)
+
+
+def test_unsupported_rope_type_is_rejected():
+    with pytest.raises(ModelConfigError, match="rope_type 'yarn'"):
+        LlamaArgs.from_dict({**TINY, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+@pytest.mark.parametrize(
+    "config, tp_size, message",
+    [
+        (dict(num_attention_heads=4), 8, "tp_size=8 is larger than num_attention_heads=4"),
+        (dict(num_attention_heads=6, num_key_value_heads=6, hidden_size=48), 4, "not divisible by tp_size=4"),
+        (dict(num_attention_heads=8, num_key_value_heads=4), 8, None),  # kv heads replicated: fine
+        (dict(num_attention_heads=12, num_key_value_heads=4, hidden_size=48), 6, "num_key_value_heads=4"),
+    ],
+)
+def test_layout_check_names_the_rank(config, tp_size, message):
+    args = LlamaArgs.from_dict({**TINY, **config})
+    layout = Layout(args, tp=1, tp_size=tp_size, pp=0, pp_size=1)
+    if message is None:
+        check_layout(layout)
+        return
+    with pytest.raises(ModelConfigError) as info:
+        check_layout(layout)
+    assert "rank (pp=0, tp=1)" in str(info.value) and message in str(info.value)
+
+
+def test_kv_heads_fewer_than_tp_are_replicated_to_the_ranks_that_use_them():
+    args = LlamaArgs.from_dict({**TINY, "num_attention_heads": 8, "num_key_value_heads": 2})
+    layouts = [Layout(args, tp=t, tp_size=4) for t in range(4)]
+    assert [lay.q_heads for lay in layouts] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    # Query heads 0-3 use kv head 0, heads 4-7 kv head 1.
+    assert [lay.kv_heads for lay in layouts] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+
+
+def test_layers_split_balanced_or_as_given():
+    assert split_layers(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert split_layers(7, 2, [2, 5]) == [range(0, 2), range(2, 7)]
+    with pytest.raises(ModelConfigError, match="summing to num_hidden_layers=7"):
+        split_layers(7, 2, [2, 4])
+    with pytest.raises(ModelConfigError, match="pp_size=3 is larger than num_hidden_layers=2"):
+        split_layers(2, 3)
+
+
+def test_kv_cache_holds_as_many_blocks_as_the_budget_allows(checkpoints):
+    budget = 300_000
+    worker = LlamaWorker(single_rank(), model=checkpoints["single"], kv_cache_bytes=budget, block_size=BLOCK)
+    info = worker.load_model()
+    per_block = PagedKVCache.bytes_per_block(TINY["num_hidden_layers"], BLOCK, 2, 16, torch.float32)
+    assert info["num_blocks"] == budget // per_block
+    assert info["block_size"] == BLOCK
+    assert info["kv_cache_bytes"] <= budget
+    worker.shutdown()
+
+
+def test_kv_budget_below_one_block_is_rejected(checkpoints):
+    worker = LlamaWorker(single_rank(), model=checkpoints["single"], kv_cache_bytes=100, block_size=BLOCK)
+    with pytest.raises(ModelConfigError, match=r"rank \(pp=0, tp=0\): kv_cache_bytes=100 is less than one KV block"):
+        worker.load_model()
+
+
+def test_block_table_too_short_is_a_batch_error(workers):
+    batch = ModelBatch(3, [SequenceChunk(5, list(range(1, 12)), 0, [0])])
+    with pytest.raises(BatchError, match=r"rank \(pp=0, tp=0\): batch 3, seq 5: block_table has 1 blocks"):
+        workers("single").execute_model(batch)
+
+
+def test_token_outside_vocab_is_a_batch_error(workers):
+    batch = ModelBatch(4, [SequenceChunk(6, [1, TINY["vocab_size"]], 0, [0])])
+    with pytest.raises(BatchError, match="seq 6: token id outside"):
+        workers("single").execute_model(batch)
+
+
+def test_unknown_dtype_is_rejected(checkpoints):
+    with pytest.raises(ModelConfigError, match=r"rank \(pp=0, tp=0\): unknown dtype 'float8'"):
+        LlamaWorker(single_rank(), model=checkpoints["single"], dtype="float8")
+
+
+def test_auto_dtype_is_the_checkpoint_dtype(tmp_path, checkpoints):
+    raw = json.loads(open(os.path.join(checkpoints["single"], "config.json")).read())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "dtype": "bfloat16"}))
+    assert LlamaWorker(single_rank(), model=str(tmp_path)).dtype == torch.bfloat16
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k != "dtype"}))
+    assert LlamaWorker(single_rank(), model=str(tmp_path)).dtype == torch.float32
+
+
+def test_bfloat16_logits_stay_close_to_float32(checkpoints):
+    worker = LlamaWorker(
+        single_rank(), model=checkpoints["single"], dtype="bfloat16", kv_cache_bytes=KV_BYTES, block_size=BLOCK
+    )
+    worker.load_model()
+    tables = block_tables([len(p) for p in PROMPTS], BLOCK)
+    logits = worker.compute_logits(prefill_batch(PROMPTS, tables))
+    expected = reference_last_logits(checkpoints["single"], PROMPTS)
+    assert logits.dtype == torch.float32
+    assert (logits - expected).abs().max() < 0.05 * expected.abs().max()
+    worker.shutdown()
