@@ -20,13 +20,15 @@ from __future__ import annotations
 import collections
 import copy
 import logging
+import math
 import os
 import pickle
+import select
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
 
 from actors.errors import ActorError, ActorTimeout, SupervisorClosed, unpack_exception
@@ -47,6 +49,13 @@ class PendingCall:
     future: Future = field(default_factory=Future)
     values: dict[int, Any] = field(default_factory=dict)
     started: Optional[float] = None
+
+
+def _poller(*fds: int) -> select.poll:
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return poller
 
 
 def _wake_pipe() -> tuple[int, int]:
@@ -90,6 +99,13 @@ class Router:
         self._sentinel_rank: dict[int, int] = {s: r for r, s in enumerate(gang.sentinels)}
         self._router_wake = _wake_pipe()
         self._reader_wake = _wake_pipe()
+        self._fd_conn: dict[int, Connection] = {c.fileno(): c for c in gang.conns}
+        # Poll sets built once: a selector built per wait costs more than the round trip.
+        conns, sentinels = list(self._fd_conn), list(self._sentinel_rank)
+        self._caller_poll = _poller(*conns, *sentinels, self._reader_wake[0])
+        self._router_poll = _poller(*conns, *sentinels, self._reader_wake[0], self._router_wake[0])
+        self._idle_poll = _poller(*sentinels, self._router_wake[0])
+        self._dead_poll = _poller(self._router_wake[0])
         self._failure: Optional[ActorError] = None
         self._fatal_reported = False
         self._closed = False
@@ -198,49 +214,47 @@ class Router:
                 finally:
                     self._reader.release()
                 continue
-            watch: list[Any] = [self._router_wake[0]]
-            if failure is None:
-                watch += list(self._sentinel_rank)
-            for obj in wait(watch):
-                if obj in self._sentinel_rank:
-                    self._actor_gone(self._sentinel_rank[obj])
+            poller = self._idle_poll if failure is None else self._dead_poll
+            for fd, _ in poller.poll():
+                if fd in self._sentinel_rank:
+                    self._actor_gone(self._sentinel_rank[fd])
 
     def _pump(self, until: Callable[[], bool], as_router: bool) -> None:
+        poller = self._router_poll if as_router else self._caller_poll
         while not until():
             with self._lock:
                 if self._failure is not None or self._closed:
                     return
-                timeout = None
+                timeout_ms = None
                 if self._pending:
                     head = next(iter(self._pending.values()))
                     if head.timeout is not None and head.started is not None:
-                        timeout = max(0.0, head.started + head.timeout - time.monotonic())
-            watch: list[Any] = [*self._conn_rank, *self._sentinel_rank, self._reader_wake[0]]
-            if as_router:
-                watch.append(self._router_wake[0])
-            try:
-                ready = wait(watch, timeout)
-            except (OSError, ValueError):  # pipes closed under us by a shutdown
-                return
-            if not ready:
+                        left = head.started + head.timeout - time.monotonic()
+                        timeout_ms = max(0, math.ceil(left * 1000))
+            events = poller.poll(timeout_ms)
+            if not events:
                 self._check_deadline()
                 continue
             gone: list[int] = []
-            for obj in ready:
-                if isinstance(obj, Connection):
-                    self._read(obj, gone)
-                elif obj in self._sentinel_rank:
-                    gone.append(self._sentinel_rank[obj])
-                elif obj == self._reader_wake[0]:
-                    _drain(obj)
+            poked = False
+            for fd, _ in events:
+                conn = self._fd_conn.get(fd)
+                if conn is not None:
+                    self._read(conn, gone)
+                elif fd in self._sentinel_rank:
+                    gone.append(self._sentinel_rank[fd])
+                elif fd == self._reader_wake[0]:
+                    _drain(fd)
                 else:
-                    return  # the router was poked: close or failure; re-check in _run
+                    poked = True
             for rank in gone:
                 conn = self.gang.conns[rank]
                 while not conn.closed and conn.poll():  # replies sent just before dying still count
                     if not self._read(conn, []):
                         break
                 self._actor_gone(rank)
+            if poked:
+                return  # the router was poked (close or failure): _run looks at the state
             self._check_deadline()
 
     def _read(self, conn: Connection, gone: list[int]) -> bool:
