@@ -10,10 +10,13 @@ from actors.errors import (
     ActorStartupError,
     ActorTimeout,
     ConfigError,
+    GangRestarted,
     RemoteError,
     SerializationError,
     SupervisorClosed,
 )
+from actors.faults import Fault, FaultPlan, InjectedFault
+from actors.policy import SupervisionPolicy
 from actors.supervisor import Supervisor
 
 __all__ = [
@@ -23,9 +26,14 @@ __all__ = [
     "ActorStartupError",
     "ActorTimeout",
     "ConfigError",
+    "Fault",
+    "FaultPlan",
+    "GangRestarted",
+    "InjectedFault",
     "RankMap",
     "RemoteError",
     "SerializationError",
+    "SupervisionPolicy",
     "Supervisor",
     "SupervisorClosed",
 ]

@@ -14,6 +14,7 @@ import importlib
 import logging
 import os
 import pickle
+import resource
 import signal
 import socket
 import sys
@@ -47,6 +48,7 @@ class ActorSpec:
     control_address: Address
     authkey: bytes
     conn: Connection
+    health_conn: Connection
     progress: Any  # multiprocessing RawArray('q'): last call id each rank finished
     stack_file: str
     parent_pid: int
@@ -90,7 +92,9 @@ def _arm_parent_death(spec: ActorSpec) -> None:
         threading.Thread(target=watch, name="pipeactors-parent-watch", daemon=True).start()
 
 
-def _build_worker(spec: ActorSpec) -> Any:
+def _build_worker(spec: ActorSpec, faults: Any) -> Any:
+    if faults is not None:
+        faults.before("__init__")
     registry = connect_registry(spec.control_address, spec.authkey)
     rendezvous = registry.rendezvous()
     registry.register(spec.global_rank, spec.epoch, os.getpid(), socket.gethostname())
@@ -131,20 +135,40 @@ def actor_main(spec: ActorSpec) -> None:
     faulthandler.enable(file=sys.stderr)
     conn = spec.conn
     rank = spec.global_rank
+    threading.Thread(
+        target=_answer_health, args=(spec.health_conn, rank, spec.progress), name="pipeactors-health", daemon=True
+    ).start()
+    faults = spec.fault_plan.for_rank(spec.coords, spec.epoch) if spec.fault_plan is not None else None
     try:
-        worker = _build_worker(spec)
+        worker = _build_worker(spec, faults)
     except BaseException as exc:  # report any failure, even SystemExit from a constructor
         conn.send_bytes(pickle.dumps((READY_ID, rank, False, pack_exception(exc))))
         return
     conn.send_bytes(pickle.dumps((READY_ID, rank, True, (os.getpid(), socket.gethostname()))))
-    faults = spec.fault_plan.for_rank(spec.coords) if spec.fault_plan is not None else None
     _serve(conn, worker, rank, spec.progress, faults)
+    if faults is not None:
+        faults.before("shutdown")
     shutdown = getattr(worker, "shutdown", None)
     if callable(shutdown):
         try:
             shutdown()
         except Exception:
             logger.exception("shutdown of the worker on %s failed", format_rank(spec.coords))
+
+
+def _answer_health(conn: Connection, rank: int, progress: Any) -> None:
+    """Answers pings on its own pipe and thread, so a health check never waits behind a call."""
+    while True:
+        try:
+            conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        info = {"pid": os.getpid(), "max_rss_kb": usage.ru_maxrss, "last_call": progress[rank]}
+        try:
+            conn.send_bytes(pickle.dumps(info))
+        except OSError:
+            return
 
 
 def _serve(conn: Connection, worker: Any, rank: int, progress: Any, faults: Any) -> None:

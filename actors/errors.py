@@ -99,6 +99,24 @@ class ActorTimeout(ActorError, TimeoutError):
         return (type(self), (self.method, self.call_id, self.timeout, self.ranks, self.stacks))
 
 
+class GangRestarted(ActorError):
+    """The gang broke and is being replaced (policy "restart"): the call did not complete; retry it.
+
+    `epoch` is the epoch that broke; `cause` (also `__cause__`) what broke it.
+    """
+
+    retryable = True
+
+    def __init__(self, epoch: int, cause: Optional[BaseException] = None) -> None:
+        self.epoch = epoch
+        self.cause = cause
+        super().__init__(f"gang epoch {epoch} is being restarted after: {cause}")
+        self.__cause__ = cause
+
+    def __reduce__(self) -> Any:
+        return (type(self), (self.epoch, self.cause))
+
+
 class ActorStartupError(ActorError):
     """The gang could not start: a worker failed to import or construct, or did not get ready in time."""
 

@@ -70,8 +70,17 @@ class Gang:
     """One epoch's actor processes, their mailboxes and the shared progress counters."""
 
     def __init__(
-        self, spec: GangSpec, epoch: int, control_address: Address, authkey: bytes, workdir: str
+        self,
+        spec: GangSpec,
+        epoch: int,
+        control_address: Address,
+        authkey: bytes,
+        workdir: str,
+        pdeathsig: bool = True,
     ) -> None:
+        """`pdeathsig`: arm the kernel's parent-death signal in the actors; only safe when
+        the thread that starts them lives as long as they should (it fires when that
+        thread ends, not the process)."""
         self.spec = spec
         self.epoch = epoch
         self.ranks = spec.ranks
@@ -90,9 +99,12 @@ class Gang:
             pickle.dumps(spec.worker_kwargs)
         except Exception as exc:
             raise SerializationError(f"cannot pickle worker_kwargs: {type(exc).__name__}: {exc}") from exc
-        pdeathsig = threading.current_thread() is threading.main_thread()
+        self.health: list[Connection] = []
+        self._health_lock = threading.Lock()
         for rank in range(world):
             ours, theirs = _spawn.Pipe(duplex=True)
+            health_ours, health_theirs = _spawn.Pipe(duplex=True)
+            self.health.append(health_ours)
             pp, tp = self.ranks.coords(rank)
             actor = ActorSpec(
                 worker=spec.worker,
@@ -104,6 +116,7 @@ class Gang:
                 control_address=control_address,
                 authkey=authkey,
                 conn=theirs,
+                health_conn=health_theirs,
                 progress=self.progress,
                 stack_file=self.stack_files[rank],
                 parent_pid=os.getpid(),
@@ -117,7 +130,7 @@ class Gang:
             )
             self.processes.append(proc)
             self.mailboxes.append(Mailbox(ours, f"pp{pp}-tp{tp}"))
-            self._child_ends.append(theirs)
+            self._child_ends += [theirs, health_theirs]
 
     @property
     def conns(self) -> list[Connection]:
@@ -194,10 +207,40 @@ class Gang:
                 self.hosts[rank] = payload[1]
                 del waiting[rank]
 
+    def ping(self, timeout: float) -> dict[int, Any]:
+        """Each live actor's answer on its health pipe (pid, max RSS, last call), or the error."""
+        with self._health_lock:
+            answers: dict[int, Any] = {}
+            asked = {}
+            for rank, (proc, conn) in enumerate(zip(self.processes, self.health)):
+                if self._stopped or proc.exitcode is not None:
+                    answers[rank] = self.death_of(rank)
+                    continue
+                try:
+                    conn.send_bytes(b"?")
+                    asked[conn] = rank
+                except OSError:
+                    answers[rank] = self.death_of(rank)
+            deadline = time.monotonic() + timeout
+            while asked:
+                ready = wait(list(asked), max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    break
+                for conn in ready:
+                    rank = asked.pop(conn)
+                    try:
+                        answers[rank] = pickle.loads(conn.recv_bytes())
+                    except (EOFError, OSError):
+                        answers[rank] = self.death_of(rank)
+            for rank in asked.values():
+                answers[rank] = None  # no answer in time
+            return answers
+
     def death_of(self, rank: int, during: str = "") -> ActorDied:
         """The ActorDied for a rank whose process ended (or whose pipe closed)."""
         proc = self.processes[rank]
-        proc.join(timeout=1.0)
+        with self._lock:  # two threads may see the death at once; one reaps
+            proc.join(timeout=1.0)
         return ActorDied(self.ranks.coords(rank), proc.exitcode, signal_name(proc.exitcode), proc.pid, during)
 
     def unfinished(self, call_id: int) -> list[int]:
@@ -259,6 +302,8 @@ class Gang:
                 proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for box in self.mailboxes:
             box.close()
+        for conn in self.health:
+            conn.close()
         for end in self._child_ends:
             end.close()
         self._child_ends = []

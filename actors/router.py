@@ -49,6 +49,13 @@ class PendingCall:
     future: Future = field(default_factory=Future)
     values: dict[int, Any] = field(default_factory=dict)
     started: Optional[float] = None
+    # An error reply breaks the gang (the policy acts), e.g. a failed execute_model
+    # leaves peers waiting inside a collective.
+    critical: bool = False
+
+
+class GangBroken(Exception):
+    """Internal: the router's gang broke before the call could be registered."""
 
 
 def _poller(*fds: int) -> select.poll:
@@ -86,12 +93,15 @@ class Router:
     def __init__(
         self,
         gang: Gang,
-        on_fatal: Callable[[ActorError], None],
-        on_timeout: Callable[[ActorTimeout], None],
+        classify: Callable[["Router", ActorError], BaseException],
+        on_fatal: Callable[["Router", ActorError], None],
     ) -> None:
+        """`classify(router, error)` gives what pending calls fail with when the gang
+        breaks (it runs in the thread that saw the break); `on_fatal(router, error)`
+        then runs once in the router thread, which ends after it."""
         self.gang = gang
+        self._classify = classify
         self._on_fatal = on_fatal
-        self._on_timeout = on_timeout
         self._lock = threading.Lock()
         self._reader = threading.Lock()
         self._pending: collections.OrderedDict[int, PendingCall] = collections.OrderedDict()
@@ -105,10 +115,9 @@ class Router:
         self._caller_poll = _poller(*conns, *sentinels, self._reader_wake[0])
         self._router_poll = _poller(*conns, *sentinels, self._reader_wake[0], self._router_wake[0])
         self._idle_poll = _poller(*sentinels, self._router_wake[0])
-        self._dead_poll = _poller(self._router_wake[0])
         self._failure: Optional[ActorError] = None
-        self._fatal_reported = False
         self._closed = False
+        self._fds_released = False
         self._thread = threading.Thread(target=self._run, name=f"pipeactors-router-e{gang.epoch}", daemon=True)
         self._thread.start()
 
@@ -171,6 +180,11 @@ class Router:
         return False
 
     def release_fds(self) -> None:
+        """Close the wake pipes once the router thread has ended."""
+        with self._lock:
+            if self._fds_released or self._thread.is_alive():
+                return
+            self._fds_released = True
         for fd in (*self._router_wake, *self._reader_wake):
             try:
                 os.close(fd)
@@ -181,7 +195,7 @@ class Router:
 
     def _raise_if_unusable(self) -> None:
         if self._failure is not None:
-            raise copy.copy(self._failure)
+            raise GangBroken()
         if self._closed:
             raise SupervisorClosed("the supervisor is closed")
 
@@ -199,23 +213,20 @@ class Router:
             with self._lock:
                 if self._closed:
                     return
-                failure, report = self._failure, self._failure is not None and not self._fatal_reported
-                if report:
-                    self._fatal_reported = True
-            if report:
+                failure = self._failure
+            if failure is not None:
                 try:
-                    self._on_fatal(failure)
+                    self._on_fatal(self, failure)
                 except Exception:
                     logger.exception("handling the failure of the gang failed")
-                continue
-            if self._pending and failure is None and self._reader.acquire(blocking=False):
+                return
+            if self._pending and self._reader.acquire(blocking=False):
                 try:
                     self._pump(lambda: not self._pending or self._closed, as_router=True)
                 finally:
                     self._reader.release()
                 continue
-            poller = self._idle_poll if failure is None else self._dead_poll
-            for fd, _ in poller.poll():
+            for fd, _ in self._idle_poll.poll():
                 if fd in self._sentinel_rank:
                     self._actor_gone(self._sentinel_rank[fd])
 
@@ -288,7 +299,11 @@ class Router:
             return
         coords = self.gang.ranks.coords(rank)
         proc = self.gang.processes[rank]
-        call.future.set_exception(unpack_exception(payload, coords, call.method, proc.pid, self.gang.hosts[rank]))
+        error = unpack_exception(payload, coords, call.method, proc.pid, self.gang.hosts[rank])
+        if call.critical:
+            self._break(error, first=call)
+        else:
+            call.future.set_exception(error)
 
     def _actor_gone(self, rank: int) -> None:
         with self._lock:
@@ -296,16 +311,23 @@ class Router:
                 return
             head = next(iter(self._pending.values()), None)
         during = f"call {head.call_id} {head.method!r}" if head else "idle"
-        died = self.gang.death_of(rank, during=during)
+        self._break(self.gang.death_of(rank, during=during))
+
+    def _break(self, error: ActorError, first: Optional[PendingCall] = None) -> None:
+        """The gang is broken: fail every pending call (and `first`, already popped) and
+        let the router thread hand the gang to the policy."""
         with self._lock:
             if self._failure is not None or self._closed:
+                if first is not None:
+                    first.future.set_exception(error)
                 return
-            self._failure = died
-            calls = list(self._pending.values())
+            self._failure = error
+            calls = ([first] if first is not None else []) + list(self._pending.values())
             self._pending.clear()
-        logger.error("%s", died)
+        logger.error("gang epoch %d broke: %s", self.gang.epoch, error)
+        outcome = self._classify(self, error)
         for call in calls:
-            call.future.set_exception(copy.copy(died))
+            call.future.set_exception(error if outcome is error and call is first else copy.copy(outcome))
         _poke(self._router_wake[1])
 
     def _check_deadline(self) -> None:
@@ -320,12 +342,8 @@ class Router:
         ranks = sorted(silent | set(self.gang.unfinished(head.call_id)))
         stacks = self.gang.collect_stacks(ranks)
         coords = self.gang.ranks.coords
-        err = ActorTimeout(
+        error = ActorTimeout(
             head.method, head.call_id, head.timeout, [coords(r) for r in ranks], {coords(r): s for r, s in stacks.items()}
         )
-        logger.error("%s", err)
-        head.future.set_exception(err)
-        try:
-            self._on_timeout(err)
-        except Exception:
-            logger.exception("handling a timeout failed")
+        # A missed deadline means a hung or lost rank: the gang cannot be trusted.
+        self._break(error, first=head)

@@ -2,20 +2,16 @@
 
 It starts the gang, dispatches collective calls (every rank runs the method; the
 ranks named reply, and every rank replies on failure), keeps up to
-`max_inflight` asynchronous calls outstanding, and shuts everything down on
-`close()`, on garbage collection and at interpreter exit.
+`max_inflight` asynchronous calls outstanding, applies the supervision policy
+when the gang breaks, and shuts everything down on `close()`, on garbage
+collection and at interpreter exit.
 """
 
 from __future__ import annotations
 
-import copy
-import itertools
 import logging
 import math
 import os
-import shutil
-import tempfile
-import threading
 import weakref
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
@@ -24,10 +20,12 @@ from typing_extensions import Self
 
 from actors.context import RankMap
 from actors.control import Address, ControlServer, Registry
-from actors.errors import ActorError, ActorTimeout, ConfigError, SupervisorClosed
-from actors.gang import Gang, GangSpec, free_port
-from actors.messages import Method, encode_call, method_name
-from actors.router import PendingCall, Router
+from actors.errors import ConfigError
+from actors.gang import GangSpec
+from actors.messages import Method
+from actors.policy import SupervisionPolicy
+from actors.router import GangBroken, PendingCall, Router
+from actors.runtime import Runtime, SetupCall
 
 logger = logging.getLogger(__name__)
 
@@ -40,46 +38,6 @@ def _worker_path(worker: Union[str, type]) -> str:
     if isinstance(worker, type):
         return f"{worker.__module__}:{worker.__qualname__}"
     raise ConfigError(f"worker must be 'package.module:ClassName' or a class, got {worker!r}")
-
-
-class _Runtime:
-    """The parts of a supervisor that must be released even if the handle is never closed."""
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.workdir = tempfile.mkdtemp(prefix="pipeactors-")
-        self.control: Optional[ControlServer] = None
-        self.gang: Optional[Gang] = None
-        self.router: Optional[Router] = None
-        self.closed = False
-
-    def on_fatal(self, error: ActorError) -> None:
-        """Runs in the router thread once the gang is broken: shut the rest of it down."""
-        gang, router = self.gang, self.router
-        if router is not None:
-            router.quiesce()
-        if gang is not None:
-            gang.stop(grace=0.5)
-
-    def on_timeout(self, error: ActorTimeout) -> None:
-        logger.warning("deadline missed: %s", error)
-
-    def shutdown(self, grace: float) -> None:
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
-            router, gang, control = self.router, self.gang, self.control
-        if router is not None:
-            router.close(SupervisorClosed("the supervisor was closed while the call was pending"))
-            router.quiesce()
-        if gang is not None:
-            gang.stop(grace=grace)
-        if router is not None:
-            router.release_fds()
-        if control is not None:
-            control.close()
-        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 class Supervisor:
@@ -95,6 +53,10 @@ class Supervisor:
         max_inflight: how many `submit` calls may be outstanding (default pp_size).
         start_timeout: seconds for every actor to import and build its worker.
         call_timeout: default deadline of every call in seconds (None: no deadline).
+        policy: "fail" (default), "restart", or a `SupervisionPolicy` with a restart
+            budget. It acts when an actor dies, a deadline passes, or a critical
+            call fails.
+        fault_plan: an `actors.FaultPlan` for deterministic fault injection.
         env: environment variables set in every actor before the worker is imported.
         cpus: a function of the global rank giving the CPUs that actor may run on.
         control_address: where the control plane listens; default a Unix socket in
@@ -112,11 +74,12 @@ class Supervisor:
         max_inflight: Optional[int] = None,
         start_timeout: float = 60.0,
         call_timeout: Optional[float] = 300.0,
+        policy: Union[str, SupervisionPolicy, None] = None,
+        fault_plan: Any = None,
         env: Optional[Mapping[str, str]] = None,
         cpus: Optional[Callable[[int], Optional[list[int]]]] = None,
         control_address: Optional[Address] = None,
         shutdown_grace: float = 5.0,
-        fault_plan: Any = None,
     ) -> None:
         self._ranks = RankMap(tp_size, pp_size)
         if max_inflight is None:
@@ -128,7 +91,7 @@ class Supervisor:
                 raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
         if call_timeout is not None and not call_timeout > 0:
             raise ConfigError(f"call_timeout must be > 0 or None, got {call_timeout!r}")
-        self._spec = GangSpec(
+        spec = GangSpec(
             worker=_worker_path(worker),
             worker_kwargs=dict(worker_kwargs or {}),
             ranks=self._ranks,
@@ -136,23 +99,22 @@ class Supervisor:
             cpus=cpus,
             fault_plan=fault_plan,
         )
+        self.policy = SupervisionPolicy.of(policy)
         self.max_inflight = max_inflight
         self.call_timeout = call_timeout
-        self.shutdown_grace = shutdown_grace
-        self._slots = threading.BoundedSemaphore(max_inflight)
-        self._ids = itertools.count(1)
-        self._dispatch_lock = threading.Lock()
-        self._rt = _Runtime()
-        self._finalizer = weakref.finalize(self, self._rt.shutdown, shutdown_grace)
+        self.start_timeout = start_timeout
+        self._rt = Runtime(spec, self.policy, max_inflight, start_timeout, shutdown_grace)
         try:
             self._authkey = os.urandom(32)
             address = control_address or os.path.join(self._rt.workdir, "control.sock")
-            self._registry = Registry({"epoch": 0})
-            self._rt.control = ControlServer(self._registry, address, self._authkey)
-            self._start_gang(epoch=0, timeout=start_timeout)
+            self._rt.registry = Registry({"epoch": 0})
+            self._rt.control = ControlServer(self._rt.registry, address, self._authkey)
+            self._rt.authkey = self._authkey
+            self._rt.start()
         except BaseException:
-            self._finalizer()
+            self._rt.shutdown()
             raise
+        self._finalizer = weakref.finalize(self, self._rt.shutdown)
 
     # ----- shape -----
 
@@ -186,14 +148,14 @@ class Supervisor:
 
     @property
     def pids(self) -> list[Optional[int]]:
-        """Process ids of the actors, in global-rank order."""
+        """Process ids of the current gang's actors, in global-rank order."""
         gang = self._rt.gang
         return gang.pids if gang is not None else []
 
     @property
     def epoch(self) -> int:
-        gang = self._rt.gang
-        return gang.epoch if gang is not None else -1
+        """Starts at 0; each restart of the gang adds one."""
+        return self._rt.epoch
 
     @property
     def closed(self) -> bool:
@@ -208,17 +170,25 @@ class Supervisor:
         kwargs: Optional[Mapping[str, Any]] = None,
         reply_ranks: Optional[Iterable[Rank]] = None,
         timeout: Optional[float] = None,
+        setup: bool = False,
     ) -> list[Any]:
         """Run `worker.method(*args, **kwargs)` on every rank and wait for the replies.
 
         A callable `method` runs as `method(worker, *args, **kwargs)`. Returns the
         values of `reply_ranks` (default: all ranks) in global-rank order. Raises
         RemoteError if any rank raised, ActorDied if an actor died, ActorTimeout
-        past `timeout` (default: the supervisor's call_timeout; math.inf: none).
+        past `timeout` (default: the supervisor's call_timeout; math.inf: none),
+        GangRestarted if the gang broke and is being restarted.
+
+        `setup=True` records the call (after it succeeds) so that a restarted gang
+        replays it, in order, before taking new calls: e.g. init_distributed, load_model.
         """
         ranks = self._reply_ranks(reply_ranks)
         router, call = self._dispatch(method, args, kwargs, ranks, single=False, timeout=timeout)
-        return router.wait(call)
+        result = router.wait(call)
+        if setup:
+            self._rt.record_setup(SetupCall(method, tuple(args), dict(kwargs or {}), ranks, call.timeout))
+        return result
 
     def submit(
         self,
@@ -227,24 +197,36 @@ class Supervisor:
         kwargs: Optional[Mapping[str, Any]] = None,
         reply_rank: Optional[Rank] = None,
         timeout: Optional[float] = None,
+        critical: bool = False,
     ) -> Future:
         """Start `method` on every rank without waiting; the Future resolves to `reply_rank`'s value.
 
         `reply_rank` defaults to the output rank. At most `max_inflight` submitted
-        calls are outstanding; a further submit waits for room.
+        calls are outstanding; a further submit waits for room. `critical=True`
+        means an exception on any rank breaks the gang (the policy acts), for calls
+        like execute_model that leave peers inside a collective when one rank fails.
         """
         rank = self.output_rank if reply_rank is None else self._check_rank(reply_rank)
-        self._raise_if_closed()
-        self._slots.acquire()
+        self._rt.raise_if_unusable()
+        slots = self._rt.slots  # the callback must not keep the handle alive
+        slots.acquire()
         try:
-            router, call = self._dispatch(method, args, kwargs, (rank,), single=True, timeout=timeout)
+            router, call = self._dispatch(method, args, kwargs, (rank,), single=True, timeout=timeout, critical=critical)
         except BaseException:
-            self._slots.release()
+            slots.release()
             raise
-        slots = self._slots  # the callback must not keep the handle alive
         call.future.add_done_callback(lambda _: slots.release())
         router.wake()
         return call.future
+
+    def check_health(self, timeout: float = 5.0) -> dict[tuple[int, int], dict[str, Any]]:
+        """Ping every actor on its health pipe; answered by a separate thread, so it
+        never waits behind in-flight batches. Raises ActorDied or ActorTimeout."""
+        return self._rt.check_health(timeout)
+
+    def status(self) -> dict[str, Any]:
+        """A snapshot: state, epoch, restarts, policy, ranks alive, calls in flight, pids."""
+        return self._rt.status()
 
     def _check_rank(self, rank: Rank) -> int:
         if isinstance(rank, bool) or not isinstance(rank, (int, tuple)):
@@ -259,13 +241,6 @@ class Supervisor:
             raise ConfigError("reply_ranks must name at least one rank")
         return ranks
 
-    def _raise_if_closed(self) -> None:
-        if self._rt.closed:
-            raise SupervisorClosed("the supervisor is closed")
-        router = self._rt.router
-        if router is not None and router.failure is not None:
-            raise copy.copy(router.failure)
-
     def _dispatch(
         self,
         method: Method,
@@ -274,6 +249,7 @@ class Supervisor:
         reply_ranks: tuple[int, ...],
         single: bool,
         timeout: Optional[float],
+        critical: bool = False,
     ) -> tuple[Router, PendingCall]:
         if not (isinstance(method, str) or callable(method)):
             raise ConfigError(f"method must be a method name or a callable, got {method!r}")
@@ -283,39 +259,15 @@ class Supervisor:
             raise ConfigError(f"timeout must be > 0, got {timeout!r}")
         if timeout is not None and math.isinf(timeout):
             timeout = None
-        self._raise_if_closed()
-        everyone = len(reply_ranks) == self.world_size
-        with self._dispatch_lock:
-            router, gang = self._rt.router, self._rt.gang
-            if router is None or gang is None or self._rt.closed:
-                raise SupervisorClosed("the supervisor is closed")
-            call_id = next(self._ids)
-            frame = encode_call(call_id, method, tuple(args), dict(kwargs or {}), None if everyone else frozenset(reply_ranks))
-            call = PendingCall(call_id, method_name(method), reply_ranks, single, timeout)
-            call.future.set_running_or_notify_cancel()
-            router.register(call)
-            for box in gang.mailboxes:
-                box.post(frame)
-        return router, call
+        body = (method, tuple(args), dict(kwargs or {}))
+        while True:
+            router = self._rt.current_router(wait_s=self.start_timeout + 60.0)
+            try:
+                return router, self._rt.post(router, body, reply_ranks, single, timeout, critical)
+            except GangBroken:
+                continue  # broke between the look and the post: wait for the policy's outcome
 
     # ----- lifecycle -----
-
-    def _start_gang(self, epoch: int, timeout: float) -> None:
-        rendezvous = {"epoch": epoch, "master_addr": "127.0.0.1", "master_port": free_port()}
-        self._registry.set_rendezvous(rendezvous)
-        gang = Gang(self._spec, epoch, self.control_address, self._authkey, self._rt.workdir)
-        gang.start(timeout)
-        with self._rt.lock:
-            self._rt.gang = gang
-            self._rt.router = Router(gang, self._rt.on_fatal, self._rt.on_timeout)
-        logger.info(
-            "started %s on %d actors (tp=%d, pp=%d), pids %s",
-            self._spec.worker,
-            self.world_size,
-            self.tp_size,
-            self.pp_size,
-            gang.pids,
-        )
 
     def close(self) -> None:
         """Stop every actor and release every resource. Idempotent; pending calls fail with SupervisorClosed."""
@@ -328,5 +280,8 @@ class Supervisor:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else f"epoch {self.epoch}"
-        return f"Supervisor({self._spec.worker!r}, tp_size={self.tp_size}, pp_size={self.pp_size}, {state})"
+        return (
+            f"Supervisor({self._rt.spec.worker!r}, tp_size={self.tp_size}, pp_size={self.pp_size}, "
+            f"{self._rt.state}, epoch {self.epoch})"
+        )
+
