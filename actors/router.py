@@ -329,6 +329,7 @@ class Router:
         for call in calls:
             call.future.set_exception(error if outcome is error and call is first else copy.copy(outcome))
         _poke(self._router_wake[1])
+        _poke(self._reader_wake[1])
 
     def _check_deadline(self) -> None:
         with self._lock:
