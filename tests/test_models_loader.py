@@ -129,7 +129,10 @@ def test_directory_without_safetensors_is_an_error(checkpoints, tmp_path):
 
 
 def test_bfloat16_checkpoint_converts_to_the_requested_dtype(checkpoints, tmp_path):
-    path = rewrite(checkpoints["single"], tmp_path / "ckpt", lambda t: t.update({k: v.bfloat16() for k, v in t.items()}))
+    def to_bf16(tensors):
+        tensors.update({k: v.bfloat16() for k, v in tensors.items()})
+
+    path = rewrite(checkpoints["single"], tmp_path / "ckpt", to_bf16)
     stage, _ = load_stage(Layout(load_config(path)), path, torch.float32)
     state = full_state(path)
     assert stage.norm.weight.dtype == torch.float32

@@ -1,0 +1,309 @@
+"""The Llama configuration a worker needs, read from a checkpoint's config.json.
+
+`LlamaArgs` is parsed from config.json directly, with the same defaults and the
+same rope parameter handling as `transformers.LlamaConfig`, because importing
+transformers costs every worker process about 1.6 s and 80 MB of RSS on this
+machine and a worker needs only a dozen numbers. `LlamaArgs.from_hf` takes a
+`LlamaConfig` when a caller already has one; the tests check that both routes agree.
+
+`Layout` is the (tp, pp) split of one model and `check_layout` rejects the ones
+that cannot work, naming the rank that found the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+
+__all__ = [
+    "LlamaArgs",
+    "Layout",
+    "ModelConfigError",
+    "check_layout",
+    "load_config",
+    "resolve_dtype",
+    "shard_range",
+    "split_layers",
+]
+
+# The rope types this package implements; others (yarn, dynamic, longrope) are rejected.
+ROPE_TYPES = ("default", "linear", "llama3")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+class ModelConfigError(ValueError):
+    """A model configuration, dtype or (tp, pp) layout that cannot work; the message names the rank."""
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """The architecture numbers of a Llama checkpoint (what config.json says, defaults filled in)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # rope_type plus that type's parameters ("factor", "low_freq_factor", ...).
+    rope_scaling: Mapping[str, Any] = field(default_factory=lambda: {"rope_type": "default"})
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    torch_dtype: Optional[str] = None
+    bos_token_id: Optional[int] = 1
+    eos_token_id: Union[int, list[int], None] = 2
+
+    @property
+    def rope_type(self) -> str:
+        return str(self.rope_scaling.get("rope_type", "default"))
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any]) -> "LlamaArgs":
+        """From the contents of a config.json (or `LlamaConfig.to_dict()`)."""
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            kv_heads = cfg.get("num_key_value_heads")
+            head_dim = cfg.get("head_dim")
+            max_pos = int(cfg.get("max_position_embeddings", 2048))
+            # transformers 5 keeps rope settings in rope_parameters; older files use
+            # rope_scaling plus a top-level rope_theta. rope_scaling wins, as in LlamaConfig.
+            rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
+            theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+            legacy_type = rope.pop("type", "default")
+            rope.setdefault("rope_type", legacy_type)
+            if rope["rope_type"] == "llama3":
+                rope.setdefault("original_max_position_embeddings", max_pos)
+            args = cls(
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(kv_heads) if kv_heads is not None else heads,
+                head_dim=int(head_dim) if head_dim else hidden // heads,
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                rope_scaling=rope,
+                max_position_embeddings=max_pos,
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                hidden_act=str(cfg.get("hidden_act", "silu")),
+                attention_bias=bool(cfg.get("attention_bias", False)),
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+                bos_token_id=cfg.get("bos_token_id", 1),
+                eos_token_id=cfg.get("eos_token_id", 2),
+            )
+        except KeyError as exc:
+            raise ModelConfigError(f"config has no {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise ModelConfigError(f"config has a value of the wrong type: {exc}") from None
+        args.check()
+        return args
+
+    @classmethod
+    def from_hf(cls, config: Any) -> "LlamaArgs":
+        """From a `transformers.LlamaConfig` (or any PretrainedConfig with the Llama fields)."""
+        return cls.from_dict(config.to_dict())
+
+    def check(self) -> None:
+        """Rejects architectures this implementation does not compute correctly."""
+        problems = []
+        if self.hidden_act != "silu":
+            problems.append(f"hidden_act {self.hidden_act!r} (only 'silu')")
+        if self.attention_bias or self.mlp_bias:
+            problems.append("attention_bias / mlp_bias (Llama has no biases)")
+        if self.rope_type not in ROPE_TYPES:
+            problems.append(f"rope_type {self.rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+        if self.rope_scaling.get("partial_rotary_factor", 1.0) != 1.0:
+            problems.append("partial_rotary_factor != 1")
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if problems:
+            raise ModelConfigError("unsupported Llama config: " + "; ".join(problems))
+
+
+def load_config(path: Union[str, os.PathLike]) -> LlamaArgs:
+    """The `LlamaArgs` of a checkpoint directory (or of a config.json file)."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else os.fspath(path)
+    try:
+        with open(file) as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise ModelConfigError(f"no config.json at {file}") from None
+    except json.JSONDecodeError as exc:
+        raise ModelConfigError(f"{file} is not valid JSON: {exc}") from None
+    model_type = cfg.get("model_type", "llama")
+    if model_type != "llama":
+        raise ModelConfigError(f"{file}: model_type {model_type!r} is not 'llama'")
+    return LlamaArgs.from_dict(cfg)
+
+
+def resolve_dtype(name: Union[str, torch.dtype], args: LlamaArgs) -> torch.dtype:
+    """The torch dtype for a `dtype` setting: "auto" means the checkpoint's own dtype, else float32."""
+    if isinstance(name, torch.dtype):
+        if name not in _DTYPES.values():
+            raise ModelConfigError(f"dtype {name} is not one of float32, bfloat16, float16")
+        return name
+    if name == "auto":
+        return _DTYPES.get(str(args.torch_dtype), torch.float32) if args.torch_dtype else torch.float32
+    try:
+        return _DTYPES[str(name)]
+    except KeyError:
+        raise ModelConfigError(
+            f"unknown dtype {name!r}; use 'auto', 'float32', 'bfloat16' or 'float16'"
+        ) from None
+
+
+def shard_range(n: int, parts: int, index: int) -> tuple[int, int]:
+    """The [start, stop) of part `index` when n items split into `parts` balanced contiguous parts.
+
+    The first n % parts parts hold one item more.
+    """
+    base, extra = divmod(n, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+def split_layers(
+    num_layers: int, pp_size: int, layer_split: Optional[Sequence[int]] = None
+) -> list[range]:
+    """The contiguous layer range each pipeline stage owns.
+
+    Balanced by default (earlier stages take the extra layers, since the last stage
+    also runs the LM head); `layer_split` gives the per-stage layer counts instead.
+    """
+    if layer_split is None:
+        if num_layers < pp_size:
+            raise ModelConfigError(f"pp_size={pp_size} is larger than num_hidden_layers={num_layers}")
+        return [range(*shard_range(num_layers, pp_size, s)) for s in range(pp_size)]
+    counts = [int(c) for c in layer_split]
+    if len(counts) != pp_size or sum(counts) != num_layers or min(counts) < 1:
+        raise ModelConfigError(
+            f"layer_split={list(layer_split)} must give pp_size={pp_size} counts, each >= 1, "
+            f"summing to num_hidden_layers={num_layers}"
+        )
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    return [range(bounds[s], bounds[s + 1]) for s in range(pp_size)]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one rank sits in a (tp, pp) gang and what it owns of the model.
+
+    Heads split evenly over tp. When tp_size exceeds num_key_value_heads, each kv
+    head is replicated on the tp_size / num_key_value_heads ranks whose query heads use it.
+    The vocabulary splits into tp_size shards of ceil(vocab / tp_size) rows, the last
+    ones padded; the MLP's intermediate dimension splits balanced (sizes may differ by one).
+    """
+
+    args: LlamaArgs
+    tp: int = 0
+    tp_size: int = 1
+    pp: int = 0
+    pp_size: int = 1
+    layer_split: Optional[tuple[int, ...]] = None
+
+    @property
+    def rank_label(self) -> str:
+        return f"rank (pp={self.pp}, tp={self.tp})"
+
+    @property
+    def stage_layers(self) -> list[range]:
+        return split_layers(self.args.num_hidden_layers, self.pp_size, self.layer_split)
+
+    @property
+    def layers(self) -> range:
+        return self.stage_layers[self.pp]
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp == self.pp_size - 1
+
+    @property
+    def q_heads(self) -> tuple[int, int]:
+        """The [start, stop) of the query heads this rank computes."""
+        per_rank = self.args.num_attention_heads // self.tp_size
+        return self.tp * per_rank, (self.tp + 1) * per_rank
+
+    @property
+    def kv_heads(self) -> tuple[int, int]:
+        """The [start, stop) of the kv heads this rank holds (one replicated head when tp > kv heads)."""
+        a = self.args
+        if a.num_key_value_heads >= self.tp_size:
+            per_rank = a.num_key_value_heads // self.tp_size
+            return self.tp * per_rank, (self.tp + 1) * per_rank
+        head = self.tp * a.num_key_value_heads // self.tp_size
+        return head, head + 1
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        lo, hi = self.kv_heads
+        return hi - lo
+
+    @property
+    def intermediate(self) -> tuple[int, int]:
+        return shard_range(self.args.intermediate_size, self.tp_size, self.tp)
+
+    @property
+    def vocab_shard_size(self) -> int:
+        return math.ceil(self.args.vocab_size / self.tp_size)
+
+    @property
+    def vocab(self) -> tuple[int, int]:
+        """The [start, stop) of the vocabulary rows this rank holds (may be short or empty at the end)."""
+        size, vocab = self.vocab_shard_size, self.args.vocab_size
+        return min(self.tp * size, vocab), min((self.tp + 1) * size, vocab)
+
+
+def check_layout(layout: Layout) -> None:
+    """Raises ModelConfigError, naming the rank, when the model cannot be split this way."""
+    a, tp = layout.args, layout.tp_size
+    problems = []
+    if tp > a.num_attention_heads:
+        problems.append(f"tp_size={tp} is larger than num_attention_heads={a.num_attention_heads}")
+    elif a.num_attention_heads % tp:
+        problems.append(f"num_attention_heads={a.num_attention_heads} is not divisible by tp_size={tp}")
+    kv = a.num_key_value_heads
+    if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+        problems.append(
+            f"num_key_value_heads={kv} and tp_size={tp} do not divide (one must be a multiple of the other)"
+        )
+    if tp > a.intermediate_size:
+        problems.append(f"tp_size={tp} is larger than intermediate_size={a.intermediate_size}")
+    if problems:
+        raise ModelConfigError(f"{layout.rank_label}: cannot shard the model: " + "; ".join(problems))
+    try:
+        layout.stage_layers
+    except ModelConfigError as exc:
+        raise ModelConfigError(f"{layout.rank_label}: {exc}") from None

@@ -1,0 +1,105 @@
+"""The paged KV cache of one rank: its layers' keys and values, preallocated once.
+
+Layout (see models/batch.py): for each layer this rank owns, a key tensor and a
+value tensor of shape [num_blocks, block_size, num_local_kv_heads, head_dim].
+Position p of a sequence lives at block `block_table[p // block_size]`, offset
+`p % block_size`; as a flat slot that is `block * block_size + offset`.
+
+All layers share one allocation, zero-filled at creation: the pages are touched
+once at load time rather than on the hot path (first touch runs at about 2 GB/s
+here), and a masked-out slot never holds a NaN that 0 * NaN would spread.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["LayerKV", "PagedKVCache"]
+
+
+class _Workspace:
+    """Reused buffers for gathered keys and values, grown only when a step needs more.
+
+    Layers run one after another, so one pair serves them all; a fresh buffer each
+    layer would pay first-touch page faults, three times the cost of the copy itself.
+    """
+
+    def __init__(self, like: torch.Tensor) -> None:
+        self.like = like
+        self.k = like.new_empty((0, *like.shape[1:]))
+        self.v = like.new_empty((0, *like.shape[1:]))
+
+    def get(self, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k.shape[0] < blocks:
+            self.k = self.like.new_empty((blocks, *self.like.shape[1:]))
+            self.v = self.like.new_empty((blocks, *self.like.shape[1:]))
+        return self.k[:blocks], self.v[:blocks]
+
+
+class LayerKV:
+    """The key and value blocks of one layer."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, workspace: _Workspace) -> None:
+        self.k = k
+        self.v = v
+        self.workspace = workspace
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Stores k, v [T, kv_heads, head_dim] at flat slots [T]."""
+        self.k.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+        self.v.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+
+    def gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, nb * block_size, kv_heads, head_dim] of block tables [B, nb].
+
+        The result lives in a shared workspace: valid until the next layer gathers.
+        """
+        b, nb = block_tables.shape
+        _, block_size, heads, dim = self.k.shape
+        k, v = self.workspace.get(b * nb)
+        flat = block_tables.reshape(-1)
+        torch.index_select(self.k, 0, flat, out=k)
+        torch.index_select(self.v, 0, flat, out=v)
+        return k.view(b, nb * block_size, heads, dim), v.view(b, nb * block_size, heads, dim)
+
+
+class PagedKVCache:
+    """Key and value blocks for a contiguous range of layers, allocated once within a byte budget."""
+
+    def __init__(
+        self,
+        layers: Sequence[int],
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.layer_ids = list(layers)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (len(self.layer_ids), 2, num_blocks, block_size, num_kv_heads, head_dim)
+        self.storage = torch.zeros(shape, dtype=dtype, device=device)
+        workspace = _Workspace(self.storage[0, 0])
+        self._layers = {
+            layer: LayerKV(self.storage[i, 0], self.storage[i, 1], workspace)
+            for i, layer in enumerate(self.layer_ids)
+        }
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes one block takes across `num_layers` layers (keys and values)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+    def layer(self, layer_id: int) -> LayerKV:
+        return self._layers[layer_id]

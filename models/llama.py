@@ -1,0 +1,248 @@
+"""Llama as plain nn.Modules: the whole forward math, with no ranks in it.
+
+A `LlamaStage` is the part of the model one pipeline stage runs: a contiguous
+range of decoder layers, plus the embedding on the first stage and the final norm
+and LM head on the last. With one stage it is the whole model. Tensor parallelism
+is applied afterwards by `models.parallel.shard_stage`, which swaps in sharded
+linears and adds the all-reduces; this file does not change for it.
+
+Tokens are flattened: activations are [T, hidden] for the T tokens of a step
+(see models/step.py for how a ModelBatch becomes a step).
+
+Numerics follow transformers' LlamaForCausalLM: RMSNorm in float32 then cast back,
+rotary embeddings in the rotate-half layout computed in float32, Llama 3 frequency
+scaling as in `_compute_llama3_parameters`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.config import LlamaArgs
+from models.kv_cache import LayerKV, PagedKVCache
+from models.step import StepInputs
+
+__all__ = [
+    "Attention",
+    "DecoderLayer",
+    "Embedding",
+    "FeedForward",
+    "LlamaStage",
+    "RMSNorm",
+    "apply_rotary",
+    "attend",
+    "rope_inv_freq",
+    "rotary_cos_sin",
+]
+
+
+class Embedding(nn.Module):
+    """Token id -> row of `weight`.
+
+    The weight comes from the checkpoint, so it is left uninitialized: nn.Embedding's
+    random init on the meta device imports ~800 modules and costs every worker 68 MB.
+    """
+
+    def __init__(self, num_embeddings: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, computed in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
+    """The rotary inverse frequencies [head_dim // 2] (float32, CPU), with the config's rope scaling."""
+    dim = args.head_dim
+    inv_freq = 1.0 / (
+        args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    )
+    scaling = args.rope_scaling
+    if args.rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if args.rope_type == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        old_context_len = float(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, head_dim] for token positions [T], computed in float32."""
+    freqs = positions[:, None].float() * inv_freq.to(positions.device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates x [T, heads, head_dim] by its positions' angles (rotate-half layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: Optional[torch.Tensor] = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """softmax(q @ k^T * scale + mask) @ v.
+
+    q [B, H, Q, d]; k, v [B, KV, L, d]; each run of H / KV query heads shares one
+    kv head (grouped-query attention). `mask` is boolean, True where attending is allowed.
+    """
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over a paged KV cache."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = args.head_dim**-0.5
+        d, hd = args.hidden_size, args.head_dim
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs, cache: LayerKV
+    ) -> torch.Tensor:
+        t, hd = x.shape[0], self.head_dim
+        q = apply_rotary(self.q_proj(x).view(t, self.n_heads, hd), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(t, self.n_kv_heads, hd), cos, sin)
+        v = self.v_proj(x).view(t, self.n_kv_heads, hd)
+        cache.write(k, v, step.slot_mapping)
+
+        out = torch.empty_like(q)
+        for p in step.prefills:
+            # One sequence's chunk; [1, heads, Q, d] layout for attention.
+            qs = q[p.start : p.stop].transpose(0, 1)[None]
+            if p.block_table is None:  # the chunk is its whole context
+                ks = k[p.start : p.stop].transpose(0, 1)[None]
+                vs = v[p.start : p.stop].transpose(0, 1)[None]
+                o = attend(qs, ks, vs, self.scale, causal=True)
+            else:
+                ks, vs = cache.gather(p.block_table)
+                o = attend(qs, ks.transpose(1, 2), vs.transpose(1, 2), self.scale, mask=p.mask)
+            out[p.start : p.stop] = o[0].transpose(0, 1)
+        if step.decode is not None:
+            # One query per sequence: each kv head's group of query heads goes into the
+            # query dimension, so the keys are attended without being repeated per head.
+            dec = step.decode
+            b, groups = dec.rows.shape[0], self.n_heads // self.n_kv_heads
+            ks, vs = cache.gather(dec.block_tables)
+            qs = q[dec.rows].view(b, self.n_kv_heads, groups, hd)
+            o = attend(qs, ks.transpose(1, 2), vs.transpose(1, 2), self.scale, mask=dec.key_mask)
+            out[dec.rows] = o.reshape(b, self.n_heads, hd)
+        return self.o_proj(out.view(t, self.n_heads * hd))
+
+
+class FeedForward(nn.Module):
+    """The SiLU-gated MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, each with a residual connection."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = FeedForward(args)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs, cache: LayerKV
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, step, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaStage(nn.Module):
+    """The layers `layer_ids` of a Llama, plus the embedding (first stage) and norm + LM head (last stage).
+
+    Parameter names match the Hugging Face checkpoint without its "model." prefix
+    (`layers.{global index}.self_attn.q_proj.weight`, `embed_tokens.weight`, ...).
+    Build it on the meta device, shard it, then materialize and load it.
+    """
+
+    def __init__(self, args: LlamaArgs, layer_ids: range, first: bool, last: bool) -> None:
+        super().__init__()
+        self.args = args
+        self.layer_ids = layer_ids
+        self.embed_tokens: Optional[nn.Module] = (
+            Embedding(args.vocab_size, args.hidden_size) if first else None
+        )
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(args) for i in layer_ids})
+        self.norm: Optional[RMSNorm] = RMSNorm(args.hidden_size, args.rms_norm_eps) if last else None
+        self.lm_head: Optional[nn.Module] = (
+            nn.Linear(args.hidden_size, args.vocab_size, bias=False) if last else None
+        )
+        # A plain attribute, not a buffer: it must survive meta-device construction and to_empty().
+        self.inv_freq = rope_inv_freq(args)
+
+    def forward(self, inputs: torch.Tensor, step: StepInputs, cache: PagedKVCache) -> torch.Tensor:
+        """Hidden states [T, hidden] after this stage's layers.
+
+        `inputs` is token ids [T] on the first stage and the previous stage's hidden states otherwise.
+        """
+        h = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
+        cos, sin = rotary_cos_sin(step.positions, self.inv_freq, h.dtype)
+        for index, layer in self.layers.items():
+            h = layer(h, cos, sin, step, cache.layer(int(index)))
+        return h
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of the rows of hidden states `h` (last stage only)."""
+        assert self.norm is not None and self.lm_head is not None, "only the last stage has the LM head"
+        return self.lm_head(self.norm(h))

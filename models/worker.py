@@ -1,0 +1,322 @@
+"""`LlamaWorker`: one (pp, tp) rank of a sharded Llama, hosted in an actor process.
+
+The actor runtime builds it as `LlamaWorker(ctx, **worker_kwargs)` and calls, on
+every rank: `init_distributed()`, `load_model()` (returns the KV cache size for
+the scheduler), then `execute_model(batch)` once per engine step.
+
+Batch format (models/batch.py): every rank gets the same `ModelBatch`. Its chunks'
+tokens are laid end to end (T tokens in batch order, see models/step.py), so every
+rank knows T and the shapes of what it receives without a message. Stage 0 embeds
+the token ids; each stage runs its layers, writing keys and values into its paged
+cache at the slots the chunks' block tables name; a stage that is not the last
+sends its hidden states [T, hidden] to the same tp rank of the next stage. The
+last stage computes logits only for the last token of each chunk with `sample`
+set, gathers them over tp on tp rank 0 (the output rank), which samples
+and returns a `ModelOutput`; every other rank returns None.
+
+Sends to the next stage are asynchronous (isend, tensor kept alive, waited for at
+most pp_size steps later), so stage 0 starts batch i+1 while stage 1 computes batch i.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import resource
+import time
+from datetime import timedelta
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from models.batch import ModelBatch, ModelOutput
+from models.config import Layout, ModelConfigError, check_layout, load_config, resolve_dtype
+from models.kv_cache import PagedKVCache
+from models.llama import LlamaStage
+from models.loader import load_stage
+from models.parallel import TPGroup
+from models.sampler import sample
+from models.step import StepInputs, prepare_step
+
+__all__ = ["LlamaWorker"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_BYTES = 64 * 2**20
+
+
+def _default_threads(world_size: int) -> int:
+    # Ranks of one host share its cores; more threads than cores only thrash.
+    return max(1, len(os.sched_getaffinity(0)) // world_size)
+
+
+class LlamaWorker:
+    """One rank of a (tp, pp)-sharded Llama: its layers, weight shards, KV cache and (last stage) sampler.
+
+    Args:
+        ctx: the rank's `actors.ActorContext` (pp, tp, sizes, rendezvous).
+        model: a Hugging Face checkpoint directory (config.json + safetensors).
+        dtype: "auto" (the checkpoint's dtype, else float32), "float32", "bfloat16" or "float16".
+        kv_cache_bytes: this rank's KV cache budget. Every rank allocates the same
+            number of blocks: as many as fit the budget on the stage with the most layers.
+        block_size: token positions per KV block.
+        num_threads: torch intra-op threads (default: this host's CPUs / world_size).
+        layer_split: layers per pipeline stage, e.g. (3, 5); default balanced.
+        dist_timeout_s: timeout of torch.distributed operations.
+        device: "cpu", "cuda:0", ...; default the rank's GPU when CUDA is available, else CPU.
+    """
+
+    def __init__(
+        self,
+        ctx: Any,
+        model: str,
+        dtype: str = "auto",
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        block_size: int = 16,
+        num_threads: Optional[int] = None,
+        layer_split: Optional[Sequence[int]] = None,
+        dist_timeout_s: float = 600.0,
+        device: Optional[str] = None,
+    ) -> None:
+        self.ctx = ctx
+        self.where = f"rank (pp={ctx.pp}, tp={ctx.tp})"
+        self.model_path = os.fspath(model)
+        try:
+            self.args = load_config(self.model_path)
+            self.dtype = resolve_dtype(dtype, self.args)
+        except ModelConfigError as exc:
+            raise ModelConfigError(f"{self.where}: {exc}") from None
+        self.layout = Layout(
+            self.args,
+            tp=ctx.tp,
+            tp_size=ctx.tp_size,
+            pp=ctx.pp,
+            pp_size=ctx.pp_size,
+            layer_split=tuple(layer_split) if layer_split is not None else None,
+        )
+        check_layout(self.layout)
+        if block_size < 1 or kv_cache_bytes < 1:
+            raise ModelConfigError(f"{self.where}: block_size and kv_cache_bytes must be >= 1")
+        self.kv_cache_bytes = int(kv_cache_bytes)
+        self.block_size = int(block_size)
+        self.dist_timeout_s = dist_timeout_s
+        if device is None:
+            cuda = torch.cuda.is_available()
+            device = f"cuda:{ctx.global_rank % torch.cuda.device_count()}" if cuda else "cpu"
+        self.device = torch.device(device)
+        self.num_threads = num_threads or _default_threads(ctx.world_size)
+        if self.device.type == "cpu":
+            torch.set_num_threads(self.num_threads)
+
+        self.tp_group = TPGroup(ctx.tp, ctx.tp_size, None)
+        self.stage: Optional[LlamaStage] = None
+        self.cache: Optional[PagedKVCache] = None
+        self.num_params = 0
+        self.load_seconds = 0.0
+        self.generator = torch.Generator()  # unseeded requests; only the output rank samples
+        self._pending_sends: collections.deque = collections.deque()
+        self._steps = 0
+        self._tokens = 0
+        self._execute_seconds = 0.0
+
+    # ----- setup -----
+
+    def init_distributed(self) -> dict[str, Any]:
+        """Joins the gang's process group and builds the tp groups (every rank builds every group, in order)."""
+        ctx = self.ctx
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(
+            backend,
+            init_method=ctx.init_method,
+            rank=ctx.global_rank,
+            world_size=ctx.world_size,
+            timeout=timedelta(seconds=self.dist_timeout_s),
+        )
+        if ctx.tp_size > 1:
+            for pp in range(ctx.pp_size):
+                ranks = list(range(pp * ctx.tp_size, (pp + 1) * ctx.tp_size))
+                group = dist.new_group(ranks=ranks)
+                if pp == ctx.pp:
+                    self.tp_group = TPGroup(ctx.tp, ctx.tp_size, group)
+        return {"rank": ctx.rank, "backend": backend}
+
+    def load_model(self) -> dict[str, Any]:
+        """Builds this rank's stage, loads its weight shards and allocates its KV cache.
+
+        Returns num_blocks and block_size (the same on every rank) plus what was loaded.
+        """
+        start = time.perf_counter()
+        layout, args = self.layout, self.args
+        if self.ctx.world_size > 1 and not dist.is_initialized():
+            raise RuntimeError(f"{self.where}: call init_distributed() before load_model()")
+        num_blocks = self._num_blocks()  # before reading weights: a budget too small fails fast
+        stage, report = load_stage(layout, self.model_path, self.dtype, self.device, self.tp_group)
+        self.stage = stage
+        self.num_params = report.num_params
+        self.cache = PagedKVCache(
+            layout.layers,
+            num_blocks,
+            self.block_size,
+            layout.num_local_kv_heads,
+            args.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.load_seconds = time.perf_counter() - start
+        logger.info(
+            "%s: layers [%d, %d), %d params, %d KV blocks (%.1f MB) in %.2fs",
+            self.where,
+            layout.layers.start,
+            layout.layers.stop,
+            self.num_params,
+            num_blocks,
+            self.cache.nbytes / 1e6,
+            self.load_seconds,
+        )
+        return {
+            "rank": self.ctx.rank,
+            "num_blocks": num_blocks,
+            "block_size": self.block_size,
+            "layers": (layout.layers.start, layout.layers.stop),
+            "num_params": self.num_params,
+            "param_bytes": report.nbytes,
+            "kv_cache_bytes": self.cache.nbytes,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "load_seconds": self.load_seconds,
+        }
+
+    def _num_blocks(self) -> int:
+        # Same on every rank: sized for the stage with the most layers, so no rank
+        # allocates blocks the scheduler (which takes the minimum) can never use.
+        layout = self.layout
+        most_layers = max(len(r) for r in layout.stage_layers)
+        per_block = PagedKVCache.bytes_per_block(
+            most_layers, self.block_size, layout.num_local_kv_heads, self.args.head_dim, self.dtype
+        )
+        num_blocks = self.kv_cache_bytes // per_block
+        if num_blocks < 1:
+            raise ModelConfigError(
+                f"{self.where}: kv_cache_bytes={self.kv_cache_bytes} is less than one KV block "
+                f"({per_block} bytes for {most_layers} layers)"
+            )
+        return num_blocks
+
+    # ----- steps -----
+
+    def execute_model(self, batch: ModelBatch) -> Optional[ModelOutput]:
+        """Runs one step; the output rank returns the sampled tokens, every other rank None."""
+        start = time.perf_counter()
+        with torch.inference_mode():
+            step, logits = self._forward(batch)
+            output = None
+            if self.ctx.is_output_rank:
+                chunks = step.sample_chunks
+                tokens, logprobs = [], None
+                if chunks:
+                    tokens, logprobs = sample(
+                        logits,
+                        [c.sampling for c in chunks],
+                        [c.num_generated for c in chunks],
+                        self.generator,
+                    )
+                output = ModelOutput(batch.batch_id, [c.seq_id for c in chunks], tokens, logprobs)
+        self._execute_seconds += time.perf_counter() - start
+        return output
+
+    def compute_logits(self, batch: ModelBatch) -> Optional[torch.Tensor]:
+        """Like execute_model, but the output rank returns the float32 logits [N, vocab] of the sampled rows.
+
+        Other ranks return None. For tests and tools; it writes the KV cache as execute_model does.
+        """
+        with torch.inference_mode():
+            _, logits = self._forward(batch)
+        return logits
+
+    def _forward(self, batch: ModelBatch) -> tuple[StepInputs, Optional[torch.Tensor]]:
+        stage, cache, ctx = self.stage, self.cache, self.ctx
+        if stage is None or cache is None:
+            raise RuntimeError(f"{self.where}: call load_model() before execute_model()")
+        step = prepare_step(
+            batch,
+            block_size=self.block_size,
+            num_blocks=cache.num_blocks,
+            vocab_size=self.args.vocab_size,
+            device=self.device,
+            where=self.where,
+        )
+        self._steps += 1
+        self._tokens += step.num_tokens
+        if step.num_tokens == 0:
+            return step, None
+        if ctx.is_first_stage:
+            x = step.token_ids
+        else:
+            x = torch.empty(step.num_tokens, self.args.hidden_size, dtype=self.dtype, device=self.device)
+            dist.recv(x, src=ctx.global_rank - ctx.tp_size)
+        h = stage(x, step, cache)
+        if not ctx.is_last_stage:
+            self._send_next(h)
+            return step, None
+        if step.sample_rows.numel() == 0:
+            return step, None
+        logits = stage.compute_logits(h[step.sample_rows])
+        return step, logits.float() if ctx.is_output_rank else None
+
+    def _send_next(self, h: torch.Tensor) -> None:
+        pending = self._pending_sends
+        while pending and pending[0][0].is_completed():
+            pending.popleft()
+        # Bound what is in flight; the next stage takes batches in order, so the oldest finishes first.
+        while len(pending) >= self.ctx.pp_size:
+            pending.popleft()[0].wait()
+        h = h.contiguous()
+        pending.append((dist.isend(h, dst=self.ctx.global_rank + self.ctx.tp_size), h))
+
+    # ----- health and stats -----
+
+    def check_health(self) -> dict[str, Any]:
+        """Cheap liveness facts of this rank (no communication)."""
+        return {
+            "rank": self.ctx.rank,
+            "pid": os.getpid(),
+            "loaded": self.stage is not None,
+            "distributed": dist.is_initialized(),
+        }
+
+    def get_stats(self) -> dict[str, Any]:
+        """Memory and work counters of this rank."""
+        with open("/proc/self/statm") as f:
+            rss_pages = int(f.read().split()[1])
+        layers = self.layout.layers
+        return {
+            "rank": self.ctx.rank,
+            "pid": os.getpid(),
+            "layers": (layers.start, layers.stop),
+            "first_stage": self.layout.is_first_stage,
+            "last_stage": self.layout.is_last_stage,
+            "num_params": self.num_params,
+            "kv_cache_bytes": self.cache.nbytes if self.cache is not None else 0,
+            "num_blocks": self.cache.num_blocks if self.cache is not None else 0,
+            "rss_bytes": rss_pages * os.sysconf("SC_PAGE_SIZE"),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "steps": self._steps,
+            "tokens": self._tokens,
+            "execute_seconds": self._execute_seconds,
+            "load_seconds": self.load_seconds,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "num_threads": self.num_threads,
+        }
+
+    def shutdown(self) -> None:
+        """Leaves the process group and drops the model; safe to call twice."""
+        # Sends still in flight are abandoned, not waited for: the peer may be gone.
+        self._pending_sends.clear()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.stage = None
+        self.cache = None
