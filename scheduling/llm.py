@@ -1,0 +1,288 @@
+"""`LLM`: a gang of LlamaWorkers, a scheduler and an engine behind one `generate` call."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import sys
+from typing import Any, Optional, Sequence, Union
+
+from typing_extensions import Self
+
+from actors import FaultPlan, Supervisor, SupervisionPolicy
+from models.config import load_config
+from scheduling.engine import Engine
+from scheduling.request import Request, RequestOutput
+from scheduling.sampling_params import SamplingParams
+from scheduling.scheduler import Scheduler
+
+__all__ = ["LLM"]
+
+logger = logging.getLogger(__name__)
+
+WORKER = "models.worker:LlamaWorker"
+DEFAULT_KV_CACHE_BYTES = 256 * 2**20
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# Fewer prompts than this finish too fast for a progress bar to tell anyone anything.
+TQDM_MIN_PROMPTS = 16
+
+Prompt = Union[str, Sequence[int]]
+
+
+def cpu_plan(world_size: int, cpus_per_rank: Optional[int]) -> Optional[list[list[int]]]:
+    """The CPUs of each rank: rank r gets the r-th run of `cpus_per_rank` of this process's CPUs (wrapping).
+
+    None (the default) means ncpu // world_size when every rank can have a CPU of
+    its own, else no pinning; 0 means no pinning.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    if cpus_per_rank is None:
+        if world_size > len(cpus):
+            return None
+        cpus_per_rank = len(cpus) // world_size
+    if cpus_per_rank < 0:
+        raise ValueError(f"cpus_per_rank must be >= 0, got {cpus_per_rank}")
+    if cpus_per_rank == 0:
+        return None
+    k = cpus_per_rank
+    return [[cpus[(r * k + i) % len(cpus)] for i in range(k)] for r in range(world_size)]
+
+
+def eos_token_ids(model_dir: str) -> list[int]:
+    """The end-of-sequence ids, from generation_config.json as transformers reads them, else config.json."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            with open(os.path.join(model_dir, name)) as f:
+                eos = json.load(f).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        if eos is not None:
+            return [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
+    return []
+
+
+class LLM:
+    """Offline generation on a (tp, pp) gang of `models.worker.LlamaWorker` processes.
+
+    Args:
+        model: a Hugging Face Llama checkpoint dir; None: the built-in default model.
+        tp, pp: tensor- and pipeline-parallel sizes (tp * pp worker processes).
+        dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
+        kv_cache_bytes: KV cache budget of each rank.
+        block_size: token positions per KV block.
+        max_num_seqs, max_num_batched_tokens: the most sequences / tokens in one batch.
+        max_model_len: most tokens (prompt plus output) per request; default the
+            smaller of the model's max_position_embeddings and what the cache holds.
+        num_threads: torch threads per rank (default: its pinned CPUs, else ncpu / world_size).
+        start_timeout: seconds for the gang to start and load the model.
+        step_timeout: deadline of each execute_model call (None: 300 s).
+        cpus_per_rank: pin each rank to this many CPUs of its own (see `cpu_plan`);
+            default ncpu // world_size when world_size <= ncpu; 0 disables pinning.
+        layer_split: layers per pipeline stage (default balanced).
+        max_inflight: batches in flight at once (default pp: one per stage).
+        policy: supervision policy, "fail" (default) or "restart"; after a restart the
+            engine recomputes the requests that were running, so none is lost.
+        fault_plan: an `actors.FaultPlan` (deterministic fault injection, for tests).
+    """
+
+    def __init__(
+        self,
+        model: Optional[Union[str, os.PathLike[str]]] = None,
+        tp: int = 1,
+        pp: int = 1,
+        dtype: str = "auto",
+        *,
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: Optional[int] = None,
+        num_threads: Optional[int] = None,
+        start_timeout: float = 120.0,
+        step_timeout: Optional[float] = None,
+        cpus_per_rank: Optional[int] = None,
+        layer_split: Optional[Sequence[int]] = None,
+        max_inflight: Optional[int] = None,
+        policy: Union[str, SupervisionPolicy, None] = None,
+        fault_plan: Optional[FaultPlan] = None,
+    ) -> None:
+        if model is None:
+            from models.default_model import default_model_dir
+
+            model = default_model_dir()
+        self.model = os.fspath(model)
+        self.args = load_config(self.model)
+        self.tokenizer = self._load_tokenizer(self.model)
+        self._request_ids = itertools.count()
+        world_size = tp * pp
+        plan = cpu_plan(world_size, cpus_per_rank)
+        if num_threads is None and plan is not None:
+            num_threads = len(plan[0])
+        worker_kwargs: dict[str, Any] = dict(
+            model=self.model, dtype=dtype, kv_cache_bytes=int(kv_cache_bytes), block_size=int(block_size)
+        )
+        if num_threads is not None:
+            worker_kwargs["num_threads"] = int(num_threads)
+        if layer_split is not None:
+            worker_kwargs["layer_split"] = tuple(layer_split)
+        self.supervisor = Supervisor(
+            worker=WORKER,
+            worker_kwargs=worker_kwargs,
+            tp_size=tp,
+            pp_size=pp,
+            max_inflight=max_inflight,
+            start_timeout=start_timeout,
+            policy=policy,
+            fault_plan=fault_plan,
+            cpus=plan.__getitem__ if plan is not None else None,
+        )
+        try:
+            # setup=True: a restarted gang replays these before it takes new batches.
+            self.supervisor.collective_rpc("init_distributed", timeout=start_timeout, setup=True)
+            infos = self.supervisor.collective_rpc("load_model", timeout=start_timeout, setup=True)
+            self.num_blocks = min(int(info["num_blocks"]) for info in infos)
+            self.block_size = int(infos[0]["block_size"])
+            capacity = self.num_blocks * self.block_size
+            limit = self.args.max_position_embeddings
+            if max_model_len is None:
+                max_model_len = min(limit, capacity)
+            elif max_model_len > limit:
+                raise ValueError(f"max_model_len={max_model_len} is past the model's max_position_embeddings={limit}")
+            self.max_model_len = max_model_len
+            self.scheduler = Scheduler(
+                max_num_seqs,
+                max_num_batched_tokens,
+                self.num_blocks,
+                self.block_size,
+                max_model_len,
+                num_groups=self.supervisor.max_inflight,
+                eos_token_ids=eos_token_ids(self.model),
+            )
+            self.engine = Engine(self.supervisor, self.scheduler, step_timeout=step_timeout)
+        except BaseException:
+            self.supervisor.close()
+            raise
+        logger.info(
+            "LLM %s: tp=%d pp=%d, %d KV blocks of %d, max_model_len %d",
+            self.model,
+            tp,
+            pp,
+            self.num_blocks,
+            self.block_size,
+            max_model_len,
+        )
+
+    @staticmethod
+    def _load_tokenizer(model_dir: str) -> Any:
+        if not any(os.path.exists(os.path.join(model_dir, f)) for f in TOKENIZER_FILES):
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_dir)
+
+    # ----- generation -----
+
+    def generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None,
+        *,
+        use_tqdm: Optional[bool] = None,
+    ) -> list[RequestOutput]:
+        """Generates a continuation of each prompt; outputs come back in prompt order.
+
+        A prompt is a string (needs the model's tokenizer) or a list of token ids;
+        one prompt may be given on its own. `params` is one SamplingParams for
+        every prompt or one per prompt (default: greedy, 16 tokens).
+        `use_tqdm` shows a progress bar (default: on a terminal, for 16 prompts or more).
+        """
+        prompt_list = self._prompt_list(prompts)
+        param_list = self._param_list(params, len(prompt_list))
+        requests = [
+            Request(str(next(self._request_ids)), self._encode(p), sp) for p, sp in zip(prompt_list, param_list)
+        ]
+        if use_tqdm is None:
+            use_tqdm = sys.stderr.isatty() and len(requests) >= TQDM_MIN_PROMPTS
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(requests), desc="generate", unit="req", dynamic_ncols=True)
+        engine = self.engine
+        try:
+            for req in requests:
+                engine.add_request(req)
+            while engine.has_unfinished():
+                finished = engine.step()
+                if bar is not None and finished:
+                    bar.update(len(finished))
+        except BaseException:
+            # Leave the engine empty and the gang idle for the next call (if the gang still lives).
+            engine.abort()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [self._output(req) for req in requests]
+
+    def _prompt_list(self, prompts: Union[Prompt, Sequence[Prompt]]) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]  # one prompt of token ids
+        return prompts
+
+    @staticmethod
+    def _param_list(
+        params: Optional[Union[SamplingParams, Sequence[SamplingParams]]], n: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError(f"params must be one SamplingParams or one per prompt ({n}), got {len(params)} items")
+        return params
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model} has no tokenizer: give prompts as lists of token ids")
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = [int(t) for t in prompt]
+        vocab = self.args.vocab_size
+        if not ids:
+            raise ValueError("a prompt has no tokens")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"a prompt has a token id outside [0, {vocab})")
+        return ids
+
+    def _output(self, req: Request) -> RequestOutput:
+        tokens = req.output_token_ids
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=tokens,
+            text=text,
+            finish_reason=req.finish_reason,
+            logprobs=list(req.logprobs) if req.logprobs is not None else None,
+            num_preemptions=req.num_preemptions,
+        )
+
+    # ----- lifecycle -----
+
+    def close(self) -> None:
+        """Stops the gang; idempotent."""
+        self.supervisor.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()

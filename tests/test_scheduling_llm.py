@@ -1,0 +1,180 @@
+"""`LLM.generate` end to end through real actor processes, against transformers' generate().
+
+One LLM per (tp, pp) layout, shared by that layout's tests (class-scoped). Its KV
+cache holds 7 blocks of 8 positions whatever the layout, and a batch at most 3
+sequences, so the 8 prompts need several batches and force preemption.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from actors import ActorDied, Fault, FaultPlan
+from scheduling import LLM, SamplingParams
+from tests.conftest import child_pids, wait_gone
+from tests.model_checkpoints import PROMPTS, TINY, build_checkpoint, reference_greedy, reference_model
+
+pytestmark = pytest.mark.timeout(300)
+
+BLOCK = 8
+NUM_BLOCKS = 7
+NEW_TOKENS = 8
+MANY_PROMPTS = PROMPTS + [[5, 6, 7, 8, 9, 10], list(range(100, 127)), [250, 3, 250, 3]]
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+
+
+def kv_bytes_for(num_blocks: int, tp: int, pp: int) -> int:
+    """The per-rank budget that gives `num_blocks` blocks on every rank of this layout (float32 TINY)."""
+    layers = TINY["num_hidden_layers"] // pp
+    kv_heads = max(1, TINY["num_key_value_heads"] // tp)
+    head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
+    return num_blocks * layers * 2 * BLOCK * kv_heads * head_dim * 4
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The checkpoint, transformers' greedy continuations (no eos), and an eos id that greedy decoding meets.
+
+    The eos written to the checkpoint is a token from the middle of one continuation,
+    so that stopping on eos is exercised, not just hoped for.
+    """
+    path = build_checkpoint(tmp_path_factory.mktemp("llm") / "tiny", seed=3)
+    full = reference_greedy(path, MANY_PROMPTS, NEW_TOKENS)
+    expected = [seq[len(p) :] for seq, p in zip(full, MANY_PROMPTS)]
+    eos = expected[5][4]
+    for name in ("config.json", "generation_config.json"):
+        file = os.path.join(path, name)
+        with open(file) as f:
+            config = json.load(f)
+        config["eos_token_id"] = eos
+        with open(file, "w") as f:
+            json.dump(config, f)
+    return path, expected, eos
+
+
+@pytest.fixture(scope="class", params=LAYOUTS, ids=lambda l: f"tp{l[0]}pp{l[1]}")
+def llm(request, reference):
+    tp, pp = request.param
+    with LLM(
+        reference[0],
+        tp=tp,
+        pp=pp,
+        kv_cache_bytes=kv_bytes_for(NUM_BLOCKS, tp, pp),
+        block_size=BLOCK,
+        max_num_seqs=3,
+        start_timeout=120.0,
+        step_timeout=120.0,
+    ) as llm:
+        pids = llm.supervisor.pids
+        yield llm
+    assert not wait_gone(pids), "the gang left processes behind"
+
+
+class TestLayout:
+    """One gang per layout, shared by its tests (class-scoped: gone before the tests below start theirs)."""
+
+    def test_greedy_matches_transformers_across_batches_and_preemption(self, llm, reference):
+        _, expected, _ = reference
+        before = llm.scheduler.num_preemptions
+        outputs = llm.generate(MANY_PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert llm.num_blocks == NUM_BLOCKS and llm.tokenizer is None
+        assert [o.token_ids for o in outputs] == expected
+        assert [o.prompt_token_ids for o in outputs] == MANY_PROMPTS
+        assert all(o.finish_reason == "length" and o.text == "" for o in outputs)
+        assert llm.scheduler.num_preemptions > before, "the small KV budget was meant to force preemption"
+        assert llm.engine.peak_in_flight == llm.supervisor.pp_size
+        assert llm.scheduler.block_manager.num_free_blocks == NUM_BLOCKS
+
+
+    def test_stop_tokens_and_max_tokens_are_honoured(self, llm, reference):
+        _, expected, _ = reference
+        stop = expected[0][3]
+        params = [
+            SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=[stop], ignore_eos=True),
+            SamplingParams(max_tokens=3, ignore_eos=True),
+        ]
+        outputs = llm.generate(MANY_PROMPTS[:2], params)
+        assert outputs[0].token_ids == expected[0][: expected[0].index(stop) + 1] and outputs[0].finish_reason == "stop"
+        assert outputs[1].token_ids == expected[1][:3] and outputs[1].finish_reason == "length"
+
+
+    def test_eos_stops_like_transformers_generate(self, llm, reference):
+        path, expected, eos = reference
+        outputs = llm.generate(MANY_PROMPTS, SamplingParams(max_tokens=NEW_TOKENS))
+        for out, ref in zip(outputs, expected):
+            stops = eos in ref
+            assert out.token_ids == (ref[: ref.index(eos) + 1] if stops else ref)
+            assert out.finish_reason == ("stop" if stops else "length")
+        prompt = MANY_PROMPTS[5]
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            hf = reference_model(path).generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos
+            )
+        assert outputs[5].token_ids == hf[0, len(prompt) :].tolist()
+
+
+    def test_seeded_sampling_is_the_same_with_and_without_preemption(self, llm):
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=11, ignore_eos=True, logprobs=True)
+        together = llm.generate(MANY_PROMPTS, params)
+        alone = [llm.generate([p], params)[0] for p in MANY_PROMPTS]
+        assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+        assert all(len(o.logprobs) == len(o.token_ids) and max(o.logprobs) <= 0 for o in together)
+
+
+    def test_bad_input_is_refused_before_anything_runs(self, llm):
+        with pytest.raises(ValueError, match="no tokenizer"):
+            llm.generate(["text needs a tokenizer"])
+        with pytest.raises(ValueError, match="outside"):
+            llm.generate([[1, 999]])
+        with pytest.raises(ValueError, match="one per prompt"):
+            llm.generate([[1], [2]], [SamplingParams()])
+        assert not llm.engine.has_unfinished()
+
+
+def test_default_model_with_text_prompts():
+    """model=None builds/loads the built-in checkpoint with its tokenizer; text round-trips through it."""
+    with LLM(kv_cache_bytes=16 * 2**20, start_timeout=120.0) as llm:
+        pids = llm.supervisor.pids
+        prompts = ["Hello, how are you?", "The capital of France is"]
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=True)
+        tok = llm.tokenizer
+        for prompt, out in zip(prompts, outputs):
+            assert out.prompt_token_ids == tok.encode(prompt)
+            assert len(out.token_ids) == 4 and out.finish_reason == "length"
+            assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
+        single = llm.generate(prompts[0], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert [o.token_ids for o in single] == [outputs[0].token_ids]
+    assert not wait_gone(pids) and not child_pids()
+
+
+def test_a_crash_with_restart_policy_loses_no_request(reference):
+    """A stage-1 rank is SIGKILLed mid-run: the gang restarts, the engine recomputes, greedy output is unchanged."""
+    path, expected, _ = reference
+    plan = FaultPlan([Fault((1, 0), "execute_model", at_call=4, action="crash")])
+    with LLM(
+        path, tp=1, pp=2, block_size=BLOCK, max_num_seqs=3, policy="restart", fault_plan=plan, start_timeout=120.0
+    ) as llm:
+        outputs = llm.generate(MANY_PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert [o.token_ids for o in outputs] == expected
+        assert llm.supervisor.epoch == 1 and llm.engine.stats()["num_recoveries"] == 1
+        pids = llm.supervisor.pids
+    assert not wait_gone(pids) and not child_pids()
+
+
+def test_a_crash_with_fail_policy_raises_naming_the_rank(reference):
+    path, _, _ = reference
+    plan = FaultPlan([Fault((0, 0), "execute_model", at_call=3, action="crash")])
+    with LLM(path, tp=1, pp=2, block_size=BLOCK, max_num_seqs=3, fault_plan=plan, start_timeout=120.0) as llm:
+        pids = llm.supervisor.pids
+        start = time.monotonic()
+        with pytest.raises(ActorDied) as info:
+            llm.generate(MANY_PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert info.value.rank == (0, 0) and time.monotonic() - start < 30
+        assert not llm.engine.has_unfinished()
+    assert not wait_gone(pids) and not child_pids()

@@ -1,0 +1,155 @@
+"""Offline throughput of each parallel layout on one fixed workload, plus the transformers baseline.
+
+Workload: 64 prompts of 128 random token ids, 64 output tokens each (ignore_eos),
+greedy, bfloat16, the built-in default model, after a 4-request warm-up. Each
+configuration runs in its own process, alone, and prints one JSON line:
+
+  {"config": "tp2", "tp": 2, "pp": 1, "output_tokens_per_s": ..., "requests_per_s": ...,
+   "total_tokens_per_s": ..., "startup_s": ..., "peak_rss_mb": ..., ...}
+
+Usage:
+    python tools/bench_throughput.py                     # every configuration
+    python tools/bench_throughput.py --configs tp2 pp2   # some of them
+    python tools/bench_throughput.py --plot bench.png    # also draw a bar chart (matplotlib)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
+
+NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, WARMUP = 64, 128, 64, 4
+
+# name -> LLM options (tp, pp, threads per rank, CPUs per rank, batches in flight)
+CONFIGS: dict[str, dict] = {
+    "tp1_1thread": dict(tp=1, pp=1, num_threads=1, cpus_per_rank=1),
+    "tp1_2threads": dict(tp=1, pp=1, num_threads=2, cpus_per_rank=2),
+    "pp2": dict(tp=1, pp=2, num_threads=1, cpus_per_rank=1),
+    "tp2": dict(tp=2, pp=1, num_threads=1, cpus_per_rank=1),
+    "tp2pp2": dict(tp=2, pp=2, num_threads=1, cpus_per_rank=0),
+    "pp2_inflight1": dict(tp=1, pp=2, num_threads=1, cpus_per_rank=1, max_inflight=1),
+    "hf_baseline": {},
+}
+
+
+def _workload(vocab_size: int):
+    import prompt_sets
+
+    return prompt_sets.random_prompts(NUM_PROMPTS + WARMUP, INPUT_LEN, OUTPUT_LEN, vocab_size, seed=0)
+
+
+def _result(name: str, options: dict, elapsed: float, startup: float, rss_mb: float, extra: dict) -> dict:
+    out_tokens = NUM_PROMPTS * OUTPUT_LEN
+    return {
+        "config": name,
+        **{k: v for k, v in options.items()},
+        "num_prompts": NUM_PROMPTS,
+        "input_len": INPUT_LEN,
+        "output_len": OUTPUT_LEN,
+        "dtype": "bfloat16",
+        "elapsed_s": round(elapsed, 3),
+        "requests_per_s": round(NUM_PROMPTS / elapsed, 2),
+        "output_tokens_per_s": round(out_tokens / elapsed, 1),
+        "total_tokens_per_s": round((out_tokens + NUM_PROMPTS * INPUT_LEN) / elapsed, 1),
+        "startup_s": round(startup, 2),
+        "peak_rss_mb": round(rss_mb, 1),
+        **extra,
+    }
+
+
+def run_engine(name: str) -> dict:
+    from scheduling import LLM, SamplingParams
+
+    options = CONFIGS[name]
+    t0 = time.perf_counter()
+    with LLM(model=None, dtype="bfloat16", **options) as llm:
+        startup = time.perf_counter() - t0
+        specs = _workload(llm.args.vocab_size)
+        params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
+        llm.generate([s.prompt_token_ids for s in specs[:WARMUP]], params)
+        t1 = time.perf_counter()
+        outputs = llm.generate([s.prompt_token_ids for s in specs[WARMUP:]], params)
+        elapsed = time.perf_counter() - t1
+        assert all(len(o.token_ids) == OUTPUT_LEN for o in outputs)
+        stats = llm.supervisor.collective_rpc("get_stats")
+    rank_rss = [s.get("max_rss_mb", 0.0) for s in stats]
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return _result(name, options, elapsed, startup, max(rank_rss), {"rss_per_rank_mb": rank_rss, "driver_rss_mb": round(own, 1)})
+
+
+def run_hf_baseline(name: str) -> dict:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from models.default_model import default_model_dir
+
+    torch.set_num_threads(2)
+    t0 = time.perf_counter()
+    model = LlamaForCausalLM.from_pretrained(default_model_dir(), dtype=torch.bfloat16).eval()
+    startup = time.perf_counter() - t0
+    specs = _workload(model.config.vocab_size)
+    ids = torch.tensor([s.prompt_token_ids for s in specs])
+    kwargs = dict(max_new_tokens=OUTPUT_LEN, min_new_tokens=OUTPUT_LEN, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:WARMUP], attention_mask=torch.ones_like(ids[:WARMUP]), **kwargs)
+        t1 = time.perf_counter()
+        out = model.generate(ids[WARMUP:], attention_mask=torch.ones_like(ids[WARMUP:]), **kwargs)
+        elapsed = time.perf_counter() - t1
+    assert out.shape[1] == INPUT_LEN + OUTPUT_LEN
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return _result(name, {"tp": 1, "pp": 1, "num_threads": 2, "processes": 1}, elapsed, startup, rss, {})
+
+
+def plot(lines: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [line["config"] for line in lines]
+    values = [line["output_tokens_per_s"] for line in lines]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bars = ax.bar(names, values, color=["#888" if n == "hf_baseline" else "#3a7" for n in names])
+    ax.bar_label(bars, fmt="%.0f")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(f"{NUM_PROMPTS} prompts x {INPUT_LEN} in, {OUTPUT_LEN} out, bf16, default 56M model, 2 cores")
+    plt.xticks(rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--plot", metavar="FILE", help="write a bar chart of output tokens/s")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration here
+    args = parser.parse_args()
+    if args.one:
+        line = run_hf_baseline(args.one) if args.one == "hf_baseline" else run_engine(args.one)
+        print(json.dumps(line), flush=True)
+        return
+    lines = []
+    for name in args.configs:
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--one", name], capture_output=True, text=True, timeout=900
+        )
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stderr)
+            raise SystemExit(f"configuration {name} failed with exit code {proc.returncode}")
+        line = json.loads(proc.stdout.strip().splitlines()[-1])
+        lines.append(line)
+        print(json.dumps(line), flush=True)
+    if args.plot:
+        plot(lines, args.plot)
+
+
+if __name__ == "__main__":
+    main()
