@@ -31,7 +31,7 @@ from actors.errors import (
     format_rank,
     unpack_exception,
 )
-from actors.mailbox import Mailbox
+from actors.mailbox import Mailbox, wire
 from actors.messages import READY_ID, encode_stop
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,15 @@ def signal_name(exitcode: Optional[int]) -> Optional[str]:
         return signal.Signals(-exitcode).name
     except ValueError:
         return f"signal {-exitcode}"
+
+
+def spin_us(world_size: int) -> float:
+    """How long readers spin before blocking: only when every process has a core of its
+    own (actors plus the caller); with more processes than cores a spinner steals the
+    core its peer needs. PIPEACTORS_SPIN_US overrides."""
+    if "PIPEACTORS_SPIN_US" in os.environ:
+        return float(os.environ["PIPEACTORS_SPIN_US"])
+    return 100.0 if world_size + 1 <= len(os.sched_getaffinity(0)) else 0.0
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -99,6 +108,7 @@ class Gang:
             pickle.dumps(spec.worker_kwargs)
         except Exception as exc:
             raise SerializationError(f"cannot pickle worker_kwargs: {type(exc).__name__}: {exc}") from exc
+        self.spin_us = spin_us(world)
         self.health: list[Connection] = []
         self._health_lock = threading.Lock()
         for rank in range(world):
@@ -124,6 +134,7 @@ class Gang:
                 env=dict(spec.env),
                 cpus=spec.cpus(rank) if spec.cpus else None,
                 fault_plan=spec.fault_plan,
+                spin_us=self.spin_us,
             )
             proc = _spawn.Process(
                 target=actor_main, args=(actor,), name=f"pipeactors-e{epoch}-pp{pp}-tp{tp}", daemon=True
@@ -283,7 +294,7 @@ class Gang:
             self._stopped = True
         started = [p for p in self.processes if p.pid is not None]
         if grace > 0:
-            stop = encode_stop()
+            stop = wire(encode_stop())
             for proc, box in zip(self.processes, self.mailboxes):
                 if proc.pid is not None and proc.exitcode is None:
                     box.post(stop)

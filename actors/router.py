@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 
 from actors.errors import ActorError, ActorTimeout, SupervisorClosed, unpack_exception
 from actors.gang import Gang
+from actors.mailbox import ReplyReader
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class Router:
         self._router_wake = _wake_pipe()
         self._reader_wake = _wake_pipe()
         self._fd_conn: dict[int, Connection] = {c.fileno(): c for c in gang.conns}
+        self._readers = {c: ReplyReader(c) for c in gang.conns}
         # Poll sets built once: a selector built per wait costs more than the round trip.
         conns, sentinels = list(self._fd_conn), list(self._sentinel_rank)
         self._caller_poll = _poller(*conns, *sentinels, self._reader_wake[0])
@@ -118,6 +120,7 @@ class Router:
         self._failure: Optional[ActorError] = None
         self._closed = False
         self._fds_released = False
+        self._spin_s = gang.spin_us * 1e-6
         self._thread = threading.Thread(target=self._run, name=f"pipeactors-router-e{gang.epoch}", daemon=True)
         self._thread.start()
 
@@ -137,7 +140,8 @@ class Router:
             self._raise_if_unusable()
             if not self._pending:
                 call.started = time.monotonic()
-                _poke(self._reader_wake[1])  # a reader must learn the new deadline
+                if call.timeout is not None and self._reader.locked():
+                    _poke(self._reader_wake[1])  # the current reader must learn the new deadline
             self._pending[call.call_id] = call
 
     def forget(self, call: PendingCall) -> None:
@@ -242,7 +246,15 @@ class Router:
                     if head.timeout is not None and head.started is not None:
                         left = head.started + head.timeout - time.monotonic()
                         timeout_ms = max(0, math.ceil(left * 1000))
-            events = poller.poll(timeout_ms)
+            events = poller.poll(0) if self._spin_s else None
+            if not events and self._spin_s:
+                # Spin briefly before blocking (see actors.actor): the reply of a small
+                # call usually arrives within tens of microseconds.
+                end = time.perf_counter() + self._spin_s
+                while not events and time.perf_counter() < end:
+                    events = poller.poll(0)
+            if not events:
+                events = poller.poll(timeout_ms)
             if not events:
                 self._check_deadline()
                 continue
@@ -260,7 +272,7 @@ class Router:
                     poked = True
             for rank in gone:
                 conn = self.gang.conns[rank]
-                while not conn.closed and conn.poll():  # replies sent just before dying still count
+                while not conn.closed and conn.poll(0):  # replies sent just before dying still count
                     if not self._read(conn, []):
                         break
                 self._actor_gone(rank)
@@ -270,12 +282,15 @@ class Router:
 
     def _read(self, conn: Connection, gone: list[int]) -> bool:
         try:
-            frame = conn.recv_bytes()
+            frames = self._readers[conn].read()
         except (EOFError, OSError):
+            frames = None
+        if frames is None:
             gone.append(self._conn_rank[conn])
             return False
-        call_id, rank, ok, payload = pickle.loads(frame)
-        self._deliver(call_id, rank, ok, payload)
+        for frame in frames:
+            call_id, rank, ok, payload = pickle.loads(frame)
+            self._deliver(call_id, rank, ok, payload)
         return True
 
     def _deliver(self, call_id: int, rank: int, ok: bool, payload: Any) -> None:

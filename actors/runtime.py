@@ -28,6 +28,7 @@ from actors.control import ControlServer, Registry
 from actors.errors import ActorDied, ActorError, ActorTimeout, GangRestarted, SupervisorClosed
 from actors.gang import Gang, GangSpec, free_port
 from actors.policy import RestartBudget, SupervisionPolicy
+from actors.mailbox import wire
 from actors.messages import encode_call, method_name
 from actors.router import PendingCall, Router
 
@@ -225,7 +226,7 @@ class Runtime:
         everyone = len(reply_ranks) == self.spec.ranks.world_size
         with self.dispatch_lock:
             call_id = next(self._ids)
-            frame = encode_call(call_id, method, args, kwargs, None if everyone else frozenset(reply_ranks))
+            frame = wire(encode_call(call_id, method, args, kwargs, None if everyone else frozenset(reply_ranks)))
             call = PendingCall(call_id, method_name(method), reply_ranks, single, timeout, critical=critical)
             call.future.set_running_or_notify_cancel()
             router.register(call)
