@@ -80,7 +80,7 @@ def run_engine(name: str) -> dict:
         elapsed = time.perf_counter() - t1
         assert all(len(o.token_ids) == OUTPUT_LEN for o in outputs)
         stats = llm.supervisor.collective_rpc("get_stats")
-    rank_rss = [s.get("max_rss_mb", 0.0) for s in stats]
+    rank_rss = [round(s["peak_rss_bytes"] / 2**20, 1) for s in stats]
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return _result(name, options, elapsed, startup, max(rank_rss), {"rss_per_rank_mb": rank_rss, "driver_rss_mb": round(own, 1)})
 
