@@ -27,14 +27,12 @@ from models.default_model import (
     cache_root,
     default_model_config,
     default_model_dir,
-    iter_json_array,
-    iter_sharegpt_records,
     llama_tensor_shapes,
     random_llama_weights,
-    sharegpt_text,
     train_tokenizer,
     write_checkpoint,
 )
+from models.sharegpt import iter_json_array, iter_sharegpt_records, sharegpt_text
 
 ROUND_TRIP_TEXTS = [
     "Hello, world!",

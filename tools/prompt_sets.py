@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from models.default_model import iter_sharegpt_records
+from models.sharegpt import iter_sharegpt_records
 
 logger = logging.getLogger(__name__)
 
