@@ -155,6 +155,9 @@ class Gang:
     def pids(self) -> list[Optional[int]]:
         return [proc.pid for proc in self.processes]
 
+    def num_alive(self) -> int:
+        return sum(p.pid is not None and p.exitcode is None for p in self.processes)
+
     def start(self, timeout: float) -> None:
         """Start every actor and wait until all are ready; on any failure stop them all and raise."""
         try:

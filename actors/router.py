@@ -313,8 +313,7 @@ class Router:
                 call.future.set_result([call.values[r] for r in call.reply_ranks])
             return
         coords = self.gang.ranks.coords(rank)
-        proc = self.gang.processes[rank]
-        error = unpack_exception(payload, coords, call.method, proc.pid, self.gang.hosts[rank])
+        error = unpack_exception(payload, coords, call.method, self.gang.pids[rank], self.gang.hosts[rank])
         if call.critical:
             self._break(error, first=call)
         else:

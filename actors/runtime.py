@@ -288,8 +288,7 @@ class Runtime:
                 "in_flight": router.in_flight if router is not None else 0,
                 "failure": str(self.failure) if self.failure is not None else None,
             }
-        alive = [p.exitcode is None and p.pid is not None for p in gang.processes] if gang else []
-        status["ranks_alive"] = sum(alive)
+        status["ranks_alive"] = gang.num_alive() if gang else 0
         status["pids"] = gang.pids if gang else []
         return status
 
