@@ -29,6 +29,7 @@ from torch import nn
 
 from models.config import Layout
 from models.llama import LlamaStage
+from models.shm_allreduce import ShmAllReduce
 
 __all__ = ["ShardSpec", "TPGroup", "VocabParallelEmbedding", "VocabParallelLMHead", "shard_stage"]
 
@@ -44,14 +45,23 @@ class ShardSpec:
 
 
 class TPGroup:
-    """This rank's tensor-parallel process group and the two collectives the model needs."""
+    """This rank's tensor-parallel process group and the two collectives the model needs.
 
-    def __init__(self, rank: int, size: int, group: Optional[dist.ProcessGroup]) -> None:
+    `shm` (a `models.shm_allreduce.ShmAllReduce`, when every rank of the group maps
+    one shared buffer: same host, CPU) carries the all-reduces instead of the group.
+    """
+
+    def __init__(
+        self, rank: int, size: int, group: Optional[dist.ProcessGroup], shm: Optional[ShmAllReduce] = None
+    ) -> None:
         self.rank = rank
         self.size = size
         self.group = group
+        self.shm = shm
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shm is not None:
+            return self.shm.all_reduce(x)
         dist.all_reduce(x, group=self.group)
         return x
 

@@ -38,6 +38,7 @@ from models.llama import LlamaStage
 from models.loader import load_stage
 from models.parallel import TPGroup
 from models.sampler import sample
+from models.shm_allreduce import ShmAllReduce
 from models.step import StepInputs, prepare_step
 
 __all__ = ["LlamaWorker"]
@@ -45,6 +46,8 @@ __all__ = ["LlamaWorker"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 64 * 2**20
+# How long a shared-memory all-reduce spins before it yields, when every rank has a core.
+SHM_SPIN_S = 1e-3
 
 
 def _default_threads(world_size: int) -> int:
@@ -63,9 +66,12 @@ class LlamaWorker:
             number of blocks: as many as fit the budget on the stage with the most layers.
         block_size: token positions per KV block.
         num_threads: torch intra-op threads (default: this host's CPUs / world_size).
-        layer_split: layers per pipeline stage, e.g. (3, 5); default balanced.
+        layer_split: layers per pipeline stage, e.g. (3, 5); default balanced by estimated
+            cost, the LM head counted on the last stage (models.config.split_layers).
         dist_timeout_s: timeout of torch.distributed operations.
         device: "cpu", "cuda:0", ...; default the rank's GPU when CUDA is available, else CPU.
+        shm_allreduce: on CPU, all-reduce tp partial sums through shared memory when every
+            rank of the tp group can map it (one host); False keeps gloo.
     """
 
     def __init__(
@@ -79,6 +85,7 @@ class LlamaWorker:
         layer_split: Optional[Sequence[int]] = None,
         dist_timeout_s: float = 600.0,
         device: Optional[str] = None,
+        shm_allreduce: bool = True,
     ) -> None:
         self.ctx = ctx
         self.where = f"rank (pp={ctx.pp}, tp={ctx.tp})"
@@ -102,6 +109,7 @@ class LlamaWorker:
         self.kv_cache_bytes = int(kv_cache_bytes)
         self.block_size = int(block_size)
         self.dist_timeout_s = dist_timeout_s
+        self.shm_allreduce = shm_allreduce
         if device is None:
             cuda = torch.cuda.is_available()
             device = f"cuda:{ctx.global_rank % torch.cuda.device_count()}" if cuda else "cpu"
@@ -136,13 +144,20 @@ class LlamaWorker:
             world_size=ctx.world_size,
             timeout=timedelta(seconds=self.dist_timeout_s),
         )
+        shm = None
         if ctx.tp_size > 1:
+            own = None
             for pp in range(ctx.pp_size):
                 ranks = list(range(pp * ctx.tp_size, (pp + 1) * ctx.tp_size))
                 group = dist.new_group(ranks=ranks)
                 if pp == ctx.pp:
-                    self.tp_group = TPGroup(ctx.tp, ctx.tp_size, group)
-        return {"rank": ctx.rank, "backend": backend}
+                    own = group
+            if self.device.type == "cpu" and self.shm_allreduce:
+                # Every rank spins briefly only when each process of the host can have a core.
+                spin = SHM_SPIN_S if ctx.world_size <= (os.cpu_count() or 1) else 0.0
+                shm = ShmAllReduce.create(own, ctx.tp, ctx.tp_size, spin_s=spin, timeout_s=self.dist_timeout_s)
+            self.tp_group = TPGroup(ctx.tp, ctx.tp_size, own, shm)
+        return {"rank": ctx.rank, "backend": backend, "shm_allreduce": shm is not None}
 
     def load_model(self) -> dict[str, Any]:
         """Builds this rank's stage, loads its weight shards and allocates its KV cache.
@@ -316,6 +331,8 @@ class LlamaWorker:
         """Leaves the process group and drops the model; safe to call twice."""
         # Sends still in flight are abandoned, not waited for: the peer may be gone.
         self._pending_sends.clear()
+        if self.tp_group.shm is not None:
+            self.tp_group.shm.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.stage = None

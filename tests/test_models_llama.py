@@ -10,7 +10,16 @@ import torch
 
 from actors.context import ActorContext
 from models.batch import ModelBatch, SequenceChunk
-from models.config import Layout, LlamaArgs, ModelConfigError, check_layout, load_config, split_layers
+from models.config import (
+    Layout,
+    LlamaArgs,
+    ModelConfigError,
+    check_layout,
+    layer_matmul_macs,
+    lm_head_layers,
+    load_config,
+    split_layers,
+)
 from models.kv_cache import PagedKVCache
 from models.llama import rope_inv_freq
 from models.step import BatchError
@@ -202,6 +211,27 @@ def test_layers_split_balanced_or_as_given():
         split_layers(7, 2, [2, 4])
     with pytest.raises(ModelConfigError, match="pp_size=3 is larger than num_hidden_layers=2"):
         split_layers(2, 3)
+
+
+def test_default_split_counts_the_lm_head_as_layers_on_the_last_stage():
+    # Cost of the busiest stage first: with the head worth 3.2 layers, (6, 2) costs
+    # max(6, 5.2) against max(5, 6.2) for (5, 3) and max(4, 7.2) for the equal split.
+    assert split_layers(8, 2, last_stage_extra=3.2) == [range(0, 6), range(6, 8)]
+    assert split_layers(8, 4, last_stage_extra=3.2) == [range(0, 3), range(3, 5), range(5, 7), range(7, 8)]
+    assert split_layers(8, 2, last_stage_extra=100.0) == [range(0, 7), range(7, 8)]
+    assert split_layers(8, 2, last_stage_extra=0.5) == [range(0, 4), range(4, 8)]
+    # An explicit layer_split wins over the cost model.
+    assert split_layers(8, 2, [4, 4], last_stage_extra=3.2) == [range(0, 4), range(4, 8)]
+
+
+def test_lm_head_weighs_its_matmul_against_a_layer_per_sampled_token():
+    # The default model's shape: hidden 512, 8 heads of 64, 4 kv heads, intermediate 1408, vocab 32000.
+    shape = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1408)
+    args = LlamaArgs.from_dict({**TINY, **shape, "vocab_size": 32000, "num_hidden_layers": 8})
+    assert layer_matmul_macs(args) == 512 * (2 * 512 + 2 * 256) + 3 * 512 * 1408
+    assert lm_head_layers(args, tokens_per_sample=1.0) == pytest.approx(512 * 32000 / layer_matmul_macs(args))
+    assert [len(r) for r in Layout(args, pp_size=2).stage_layers] == [6, 2]
+    assert [len(r) for r in Layout(args, pp_size=2, layer_split=(4, 4)).stage_layers] == [4, 4]
 
 
 def test_kv_cache_holds_as_many_blocks_as_the_budget_allows(checkpoints):

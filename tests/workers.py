@@ -96,3 +96,90 @@ class PipeStageWorker:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def allreduce_inputs(numel: int, dtype: Any, seed: int, rank: int) -> Any:
+    """The tensor rank `rank` contributes to all-reduce number `seed` (any rank can rebuild any rank's)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    return (torch.randn(numel, generator=g) * (rank + 1)).to(dtype)
+
+
+class AllReduceWorker:
+    """Every rank of the gang in one gloo group, summing through models.shm_allreduce."""
+
+    def __init__(self, ctx: ActorContext, capacity: int = 4096, spin_s: float = 0.0,
+                 directory: str = "/dev/shm", timeout_s: float = 60.0):
+        import torch
+        import torch.distributed as dist
+
+        from models.shm_allreduce import ShmAllReduce
+
+        torch.set_num_threads(1)
+        self.rank, self.size = ctx.global_rank, ctx.world_size
+        dist.init_process_group("gloo", init_method=ctx.init_method, rank=self.rank, world_size=self.size)
+        self.shm = ShmAllReduce.create(
+            None, self.rank, self.size, capacity=capacity, spin_s=spin_s, timeout_s=timeout_s, directory=directory
+        )
+
+    def attached(self) -> bool:
+        return self.shm is not None
+
+    def shm_path(self) -> str:
+        assert self.shm is not None
+        return self.shm.path
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def reduce(self, numel: int, dtype: Any, seed: int, strided: bool = False) -> Any:
+        x = allreduce_inputs(numel, dtype, seed, self.rank)
+        if strided:  # a non-contiguous view: every other element of a wider tensor
+            wide = x.new_zeros(2 * numel)
+            wide[::2] = x
+            x = wide[::2]
+        assert self.shm is not None
+        out = self.shm.all_reduce(x)
+        assert out is x
+        return x.clone()
+
+    def reduce_many(self, sizes: list[int], dtype: Any, seed: int) -> tuple[int, str]:
+        """All-reduces one tensor per size; returns how many differed from the rank-order sum, and a digest of all."""
+        import hashlib
+
+        import torch
+
+        assert self.shm is not None
+        wrong, digest = 0, hashlib.sha256()
+        for i, n in enumerate(sizes):
+            x = allreduce_inputs(n, dtype, seed + i, self.rank)
+            self.shm.all_reduce(x)
+            parts = [allreduce_inputs(n, dtype, seed + i, r) for r in range(self.size)]
+            expected = parts[0] + parts[1]
+            for p in parts[2:]:
+                expected += p
+            wrong += not torch.equal(x, expected)
+            digest.update(x.view(torch.uint8).numpy().tobytes())
+        return wrong, digest.hexdigest()
+
+    def reduce_unless(self, absent: int) -> str:
+        """Rank `absent` stays out; the others' all-reduce must time out naming it."""
+        import torch
+
+        if self.rank == absent:
+            return "absent"
+        assert self.shm is not None
+        try:
+            self.shm.all_reduce(torch.ones(4))
+        except TimeoutError as exc:
+            return str(exc)
+        return "no timeout"
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if self.shm is not None:
+            self.shm.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
