@@ -12,6 +12,7 @@ from actors.errors import (
     ConfigError,
     GangRestarted,
     RemoteError,
+    RestartBudgetExhausted,
     SerializationError,
     SupervisorClosed,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "InjectedFault",
     "RankMap",
     "RemoteError",
+    "RestartBudgetExhausted",
     "SerializationError",
     "SupervisionPolicy",
     "Supervisor",

@@ -148,14 +148,14 @@ def actor_main(spec: ActorSpec) -> None:
         return
     conn.send_bytes(pickle.dumps((READY_ID, rank, True, (os.getpid(), socket.gethostname()))))
     _serve(conn, worker, rank, spec.progress, faults, spec.spin_us)
-    if faults is not None:
-        faults.before("shutdown")
-    shutdown = getattr(worker, "shutdown", None)
-    if callable(shutdown):
-        try:
+    try:
+        if faults is not None:
+            faults.before("shutdown")
+        shutdown = getattr(worker, "shutdown", None)
+        if callable(shutdown):
             shutdown()
-        except Exception:
-            logger.exception("shutdown of the worker on %s failed", format_rank(spec.coords))
+    except Exception:
+        logger.exception("shutdown of the worker on %s failed", format_rank(spec.coords))
 
 
 def _answer_health(conn: Connection, rank: int, progress: Any) -> None:

@@ -117,6 +117,57 @@ class GangRestarted(ActorError):
         return (type(self), (self.epoch, self.cause))
 
 
+class RestartBudgetExhausted(ActorError):
+    """Policy "restart" gave up: the gang broke more than `max_restarts` times within `period_s`.
+
+    `cause` (also `__cause__`) is what broke the gang last. Built by
+    `restart_budget_exhausted`, it is also an instance of the cause's type where
+    Python allows (as RemoteError is), so `except ActorDied` still catches a death
+    that spent the budget, and the cause's attributes (`rank`, `ranks`, ...) are there.
+    """
+
+    cause: Optional[BaseException]
+
+    def __init__(self, message: str, cause: Optional[BaseException] = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.cause = cause
+        if cause is not None:
+            self.__cause__ = cause
+
+    def __str__(self) -> str:
+        return self.__dict__.get("message", "")
+
+    def __reduce__(self) -> Any:
+        return (restart_budget_exhausted, (self.message, self.cause))
+
+
+_EXHAUSTED_CLASSES: dict[type, type] = {}
+
+
+def restart_budget_exhausted(message: str, cause: Optional[BaseException]) -> RestartBudgetExhausted:
+    """A RestartBudgetExhausted that is also of `cause`'s type where Python allows."""
+    if cause is None:
+        return RestartBudgetExhausted(message)
+    cause_type = type(cause)
+    cls = _EXHAUSTED_CLASSES.get(cause_type)
+    if cls is None:
+        cls = RestartBudgetExhausted
+        if issubclass(cause_type, Exception) and not issubclass(cause_type, RestartBudgetExhausted):
+            try:
+                cls = type("RestartBudgetExhausted", (RestartBudgetExhausted, cause_type), {"__module__": __name__})
+            except TypeError:  # incompatible layouts (some C types): keep the plain class
+                cls = RestartBudgetExhausted
+        _EXHAUSTED_CLASSES[cause_type] = cls
+    err = cls.__new__(cls)
+    err.__dict__.update(getattr(cause, "__dict__", {}))
+    err.args = (message,)
+    err.message = message
+    err.cause = cause
+    err.__cause__ = cause
+    return err
+
+
 class ActorStartupError(ActorError):
     """The gang could not start: a worker failed to import or construct, or did not get ready in time."""
 

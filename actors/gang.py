@@ -103,6 +103,8 @@ class Gang:
         self.hosts: list[str] = [""] * world
         self._child_ends: list[Connection] = []
         self._stopped = False
+        self._stop_done = threading.Event()
+        self._stop_grace = 0.0
         self._lock = threading.Lock()
         try:
             pickle.dumps(spec.worker_kwargs)
@@ -290,11 +292,24 @@ class Gang:
         return stacks
 
     def stop(self, grace: float = 5.0) -> None:
-        """Ask each actor to leave, then SIGTERM, then SIGKILL; join all. Idempotent."""
+        """Ask each actor to leave, then SIGTERM, then SIGKILL; join all. Idempotent: a second
+        caller returns when the first one's stop is done (bounded), so nothing outlives either."""
         with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
+            first = not self._stopped
+            if first:
+                self._stopped = True
+                self._stop_grace = grace
+        if not first:
+            # The first stop takes at most its grace, then 1 s after SIGTERM and 5 s after SIGKILL.
+            if not self._stop_done.wait(timeout=self._stop_grace + 7.0):
+                logger.warning("epoch %d: the gang's stop in another thread is still running", self.epoch)
+            return
+        try:
+            self._stop(grace)
+        finally:
+            self._stop_done.set()
+
+    def _stop(self, grace: float) -> None:
         started = [p for p in self.processes if p.pid is not None]
         if grace > 0:
             stop = wire(encode_stop())

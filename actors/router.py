@@ -28,7 +28,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Optional
 
 from actors.errors import ActorError, ActorTimeout, SupervisorClosed, unpack_exception
@@ -36,6 +36,11 @@ from actors.gang import Gang
 from actors.mailbox import ReplyReader
 
 logger = logging.getLogger(__name__)
+
+# How long a critical error waits for a peer's death to show before it is blamed on the
+# rank that reported it: a rank that dies resets its collective connections while it
+# exits, so its peers' "connection reset" errors can arrive before its sentinel fires.
+DEATH_SETTLE_S = 0.2
 
 
 @dataclass(eq=False)
@@ -315,9 +320,16 @@ class Router:
         coords = self.gang.ranks.coords(rank)
         error = unpack_exception(payload, coords, call.method, self.gang.pids[rank], self.gang.hosts[rank])
         if call.critical:
-            self._break(error, first=call)
+            self._break(self._death_behind(call) or error, first=call)
         else:
             call.future.set_exception(error)
+
+    def _death_behind(self, call: PendingCall) -> Optional[ActorError]:
+        """The death of a rank, if one has died or dies within DEATH_SETTLE_S: the real cause
+        of a critical call's error on a peer (e.g. gloo's 'Connection reset by peer')."""
+        for sentinel in wait(list(self._sentinel_rank), timeout=DEATH_SETTLE_S):
+            return self.gang.death_of(self._sentinel_rank[sentinel], during=f"call {call.call_id} {call.method!r}")
+        return None
 
     def _actor_gone(self, rank: int) -> None:
         with self._lock:

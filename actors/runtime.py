@@ -25,7 +25,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from actors.control import ControlServer, Registry
-from actors.errors import ActorDied, ActorError, ActorTimeout, GangRestarted, SupervisorClosed
+from actors.errors import (
+    ActorDied,
+    ActorError,
+    ActorTimeout,
+    GangRestarted,
+    SupervisorClosed,
+    restart_budget_exhausted,
+)
 from actors.gang import Gang, GangSpec, free_port
 from actors.policy import RestartBudget, SupervisionPolicy
 from actors.mailbox import wire
@@ -70,6 +77,15 @@ class _Lifecycle:
         self._tasks.put((fn, args, future))
         return future
 
+    def drain(self, timeout: float) -> None:
+        """Wait (bounded) until the tasks queued so far have run; the thread lives on."""
+        if threading.current_thread() is self._thread or not self._thread.is_alive():
+            return
+        try:
+            self.run(lambda: None).result(timeout)
+        except Exception:  # noqa: BLE001 - a start still running past the timeout: stop its gang anyway
+            logger.warning("a gang start was still running at shutdown")
+
     def stop(self, timeout: float) -> None:
         self._tasks.put(None)
         if threading.current_thread() is not self._thread:
@@ -106,6 +122,7 @@ class Runtime:
         self.epoch = 0
         self.closed = False
         self.budget = RestartBudget(policy)
+        self.last_break: Optional[tuple[int, ActorError]] = None  # (epoch, what broke it), for status()
         self.setup_calls: list[SetupCall] = []
         self._gangs: list[Gang] = []
         self._routers: list[Router] = []  # their wake pipes are closed only at shutdown
@@ -164,15 +181,15 @@ class Runtime:
                 with self.cond:
                     if self.closed:
                         return
+                    if isinstance(exc, ActorError):
+                        self.last_break = (epoch, exc)
                     if self.budget.allow():
                         logger.error("restart as epoch %d failed (%s); trying again", epoch, exc)
                         continue
                     self.state = "failed"
-                    self.failure = ActorError(
-                        f"restart budget exhausted ({self.policy.max_restarts} restarts within "
-                        f"{self.policy.period_s:g}s); the last restart failed: {exc}"
+                    self.failure = restart_budget_exhausted(
+                        f"{self._budget_text()}; the last restart failed: {exc}", exc
                     )
-                    self.failure.__cause__ = exc
                     self.cond.notify_all()
                 logger.error("%s", self.failure)
                 return
@@ -185,6 +202,7 @@ class Runtime:
             try:
                 if self.closed:
                     return SupervisorClosed("the supervisor was closed")
+                self.last_break = (router.gang.epoch, error)
                 if router is not self.router or self.state != "running":
                     return error  # a gang that was being started or replaced: the restart loop decides
                 if self.budget.allow():
@@ -192,12 +210,16 @@ class Runtime:
                     self._restart_of = router
                     return GangRestarted(router.gang.epoch, error)
                 self.state = "failed"
-                self.failure = error
                 if self.policy.strategy == "restart":
-                    logger.error("restart budget exhausted: the gang stays down")
+                    error = restart_budget_exhausted(f"{self._budget_text()}; the gang stays down after: {error}", error)
+                    logger.error("%s", error)
+                self.failure = error
                 return error
             finally:
                 self.cond.notify_all()
+
+    def _budget_text(self) -> str:
+        return f"restart budget exhausted ({self.policy.max_restarts} restarts within {self.policy.period_s:g}s)"
 
     def _on_fatal(self, router: Router, error: ActorError) -> None:
         """Runs in the broken gang's router thread: stop that gang; restart if so decided."""
@@ -287,6 +309,7 @@ class Runtime:
                 "world_size": self.spec.ranks.world_size,
                 "in_flight": router.in_flight if router is not None else 0,
                 "failure": str(self.failure) if self.failure is not None else None,
+                "last_break": _describe_break(self.last_break),
             }
         status["ranks_alive"] = gang.num_alive() if gang else 0
         status["pids"] = gang.pids if gang else []
@@ -305,7 +328,10 @@ class Runtime:
         reason = SupervisorClosed("the supervisor was closed while the call was pending")
         if router is not None:
             router.close(reason)  # also frees a restart waiting on a replayed call
-        self._lifecycle.stop(timeout=self.start_timeout + 10.0)
+        # Let a start or restart in progress see `closed` and end. The thread itself must
+        # outlive the gangs: its end fires the actors' parent-death signal (SIGKILL),
+        # which would cut their graceful stop (worker.shutdown()) short.
+        self._lifecycle.drain(timeout=self.start_timeout + 10.0)
         with self.cond:
             router, gangs, routers = self.router, list(self._gangs), list(self._routers)
         for each in routers:
@@ -313,9 +339,26 @@ class Runtime:
         if router is not None:
             router.quiesce()
         for gang in gangs:
-            gang.stop(grace=self.shutdown_grace if gang is self.gang else 0.0)
+            # A graceful stop only for a gang that works: a broken one has hung or dead ranks
+            # (as when its router thread stops it, see _on_fatal).
+            healthy = gang is self.gang and router is not None and router.failure is None
+            gang.stop(grace=self.shutdown_grace if healthy else min(self.shutdown_grace, 0.5) if gang is self.gang else 0.0)
+        self._lifecycle.stop(timeout=5.0)
         for each in routers:
             each.release_fds()
         if self.control is not None:
             self.control.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _describe_break(last: Optional[tuple[int, ActorError]]) -> Optional[dict[str, Any]]:
+    """What broke a gang last, for status(): its epoch, the error's type, the ranks it names, its first line."""
+    if last is None:
+        return None
+    epoch, error = last
+    ranks = getattr(error, "ranks", None)
+    if ranks is None:
+        rank = getattr(error, "rank", None)
+        ranks = [] if rank is None else [rank]
+    lines = str(error).splitlines()
+    return {"epoch": epoch, "error": type(error).__name__, "ranks": list(ranks), "message": lines[0] if lines else ""}

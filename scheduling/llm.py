@@ -80,7 +80,8 @@ class LLM:
         step_timeout: deadline of each execute_model call (None: 300 s).
         cpus_per_rank: pin each rank to this many CPUs of its own (see `cpu_plan`);
             default ncpu // world_size when world_size <= ncpu; 0 disables pinning.
-        layer_split: layers per pipeline stage (default balanced).
+        layer_split: layers per pipeline stage (default balanced by estimated cost, the LM
+            head counted on the last stage; see models.config.split_layers).
         max_inflight: batches in flight at once (default pp: one per stage).
         policy: supervision policy, "fail" (default) or "restart"; after a restart the
             engine recomputes the requests that were running, so none is lost.
@@ -139,9 +140,8 @@ class LLM:
             cpus=plan.__getitem__ if plan is not None else None,
         )
         try:
-            # setup=True: a restarted gang replays these before it takes new batches.
-            self.supervisor.collective_rpc("init_distributed", timeout=start_timeout, setup=True)
-            infos = self.supervisor.collective_rpc("load_model", timeout=start_timeout, setup=True)
+            self._setup_call("init_distributed", start_timeout)
+            infos = self._setup_call("load_model", start_timeout)
             self.num_blocks = min(int(info["num_blocks"]) for info in infos)
             self.block_size = int(infos[0]["block_size"])
             capacity = self.num_blocks * self.block_size
@@ -173,6 +173,22 @@ class LLM:
             self.block_size,
             max_model_len,
         )
+
+    def _setup_call(self, method: str, timeout: float) -> list[Any]:
+        """Runs a setup method on every rank; setup=True: a restarted gang replays it before new batches.
+
+        Under policy "restart" a gang that breaks here (a rank died or hung) is replaced
+        and has replayed the setup calls that succeeded so far: this one is run again.
+        The restart budget bounds the retries (once spent, the error is raised). A method
+        that raises is not retried: a bad checkpoint fails the same way on every gang.
+        """
+        while True:
+            try:
+                return self.supervisor.collective_rpc(method, timeout=timeout, setup=True)
+            except Exception as exc:
+                if not getattr(exc, "retryable", False):
+                    raise
+                logger.warning("%s: the gang was restarted, running it again: %s", method, exc)
 
     @staticmethod
     def _load_tokenizer(model_dir: str) -> Any:
