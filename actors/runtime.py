@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import os
 import queue
 import shutil
 import tempfile
@@ -51,6 +52,31 @@ class SetupCall:
     kwargs: dict
     reply_ranks: tuple[int, ...]
     timeout: Optional[float]
+
+
+WORKDIR_PREFIX = "pipeactors-"
+
+
+def _sweep_orphaned_workdirs() -> None:
+    """Remove the private dirs (control socket, stack dumps) of supervisors that were
+    SIGKILLed: their names carry the owner's pid, and a dead owner cannot clean up."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(WORKDIR_PREFIX):
+            continue
+        pid = name[len(WORKDIR_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        except PermissionError:  # alive, someone else's
+            pass
 
 
 class _Lifecycle:
@@ -111,7 +137,8 @@ class Runtime:
         self.cond = threading.Condition()
         self.dispatch_lock = threading.Lock()
         self.slots = threading.BoundedSemaphore(max_inflight)
-        self.workdir = tempfile.mkdtemp(prefix="pipeactors-")
+        _sweep_orphaned_workdirs()
+        self.workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-")
         self.control: Optional[ControlServer] = None
         self.registry: Optional[Registry] = None
         self.authkey = b""

@@ -147,6 +147,7 @@ PARENT = textwrap.dedent(
         sup = Supervisor("tests.workers:EchoWorker", tp_size=2, pp_size=2)
         busy = sup.submit("sleep", args=(60,))  # one actor is busy, the others idle
         print(" ".join(map(str, sup.pids)), flush=True)
+        print(sup._rt.workdir, flush=True)
         time.sleep(120)
     """
 )
@@ -159,12 +160,17 @@ def test_actors_exit_when_the_parent_is_sigkilled(tmp_path):
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
+        workdir = parent.stdout.readline().strip()
         assert len(pids) == 4 and all(pid_alive(p) for p in pids)
         t0 = time.monotonic()
         parent.kill()
         parent.wait(timeout=10)
         assert wait_gone(pids, timeout=5.0) == []
         assert time.monotonic() - t0 < 5.0
+        # The dead parent's private dir (control socket, stack files) is swept by the next supervisor.
+        assert os.path.isdir(workdir)
+        with Supervisor(WORKER):
+            assert not os.path.exists(workdir)
     finally:
         parent.kill()
         parent.wait()
