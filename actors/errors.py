@@ -142,23 +142,11 @@ class RestartBudgetExhausted(ActorError):
         return (restart_budget_exhausted, (self.message, self.cause))
 
 
-_EXHAUSTED_CLASSES: dict[type, type] = {}
-
-
 def restart_budget_exhausted(message: str, cause: Optional[BaseException]) -> RestartBudgetExhausted:
     """A RestartBudgetExhausted that is also of `cause`'s type where Python allows."""
     if cause is None:
         return RestartBudgetExhausted(message)
-    cause_type = type(cause)
-    cls = _EXHAUSTED_CLASSES.get(cause_type)
-    if cls is None:
-        cls = RestartBudgetExhausted
-        if issubclass(cause_type, Exception) and not issubclass(cause_type, RestartBudgetExhausted):
-            try:
-                cls = type("RestartBudgetExhausted", (RestartBudgetExhausted, cause_type), {"__module__": __name__})
-            except TypeError:  # incompatible layouts (some C types): keep the plain class
-                cls = RestartBudgetExhausted
-        _EXHAUSTED_CLASSES[cause_type] = cls
+    cls = _combined_class(RestartBudgetExhausted, type(cause), "RestartBudgetExhausted")
     err = cls.__new__(cls)
     err.__dict__.update(getattr(cause, "__dict__", {}))
     err.args = (message,)
@@ -210,20 +198,22 @@ class RemoteError(ActorError):
         )
 
 
-_REMOTE_CLASSES: dict[type, type] = {}
+_COMBINED: dict[tuple[type, type], type] = {}
 
 
-def _remote_class(cause_type: type) -> type:
-    """A class that is both RemoteError and the cause's type, cached per type."""
-    cls = _REMOTE_CLASSES.get(cause_type)
+def _combined_class(base: type, cause_type: type, name: str) -> type:
+    """A class that is both `base` and the cause's type (so `except ValueError` still
+    catches a remote ValueError), cached per pair; `base` alone where Python refuses."""
+    key = (base, cause_type)
+    cls = _COMBINED.get(key)
     if cls is None:
-        cls = RemoteError
-        if issubclass(cause_type, Exception) and not issubclass(cause_type, RemoteError):
+        cls = base
+        if issubclass(cause_type, Exception) and not issubclass(cause_type, base):
             try:
-                cls = type(f"Remote{cause_type.__name__}", (RemoteError, cause_type), {"__module__": __name__})
+                cls = type(name, (base, cause_type), {"__module__": __name__})
             except TypeError:  # incompatible layouts (some C types): keep the plain class
-                cls = RemoteError
-        _REMOTE_CLASSES[cause_type] = cls
+                cls = base
+        _COMBINED[key] = cls
     return cls
 
 
@@ -236,7 +226,7 @@ def _rebuild_remote_error(
     host: str,
     type_name: str,
 ) -> RemoteError:
-    cls = _remote_class(type(cause)) if cause is not None else RemoteError
+    cls = _combined_class(RemoteError, type(cause), f"Remote{type(cause).__name__}") if cause is not None else RemoteError
     err = cls.__new__(cls)
     where = f"{format_rank(rank)} (pid {pid} on {host})"
     summary = type_name + (f": {cause}" if cause is not None and str(cause) else "")
