@@ -26,12 +26,11 @@ from actors.control import Address
 from actors.errors import (
     ActorDied,
     ActorStartupError,
-    Coords,
     SerializationError,
     format_rank,
     unpack_exception,
 )
-from actors.mailbox import Mailbox, wire
+from actors.mailbox import Mailbox
 from actors.messages import READY_ID, encode_stop
 
 logger = logging.getLogger(__name__)
@@ -312,7 +311,7 @@ class Gang:
     def _stop(self, grace: float) -> None:
         started = [p for p in self.processes if p.pid is not None]
         if grace > 0:
-            stop = wire(encode_stop())
+            stop = encode_stop()
             for proc, box in zip(self.processes, self.mailboxes):
                 if proc.pid is not None and proc.exitcode is None:
                     box.post(stop)

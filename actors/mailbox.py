@@ -28,13 +28,6 @@ _LEN = struct.Struct("!i")
 _BIG_LEN = struct.Struct("!Q")
 
 
-def wire(frame: bytes) -> bytes:
-    """A frame as `Connection.send_bytes` puts it on the pipe, built once per broadcast."""
-    n = len(frame)
-    header = _LEN.pack(n) if n <= 0x7FFFFFFF else _LEN.pack(-1) + _BIG_LEN.pack(n)
-    return header + frame
-
-
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -44,7 +37,7 @@ def _write_all(fd: int, data: bytes) -> None:
 class Mailbox:
     """Ordered, non-blocking delivery of frames to one actor.
 
-    `post` takes a frame already in wire form (see `wire`), so a broadcast is
+    `post` takes a frame already in wire form (see actors.messages.encode_call), so a broadcast is
     framed once and written to each actor's pipe with one system call.
     """
 
@@ -155,7 +148,3 @@ class ReplyReader:
             if not data:
                 raise EOFError("pipe closed in the middle of a frame")
             self._buf += data
-
-    @property
-    def buffered(self) -> bool:
-        return len(self._buf) >= 4

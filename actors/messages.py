@@ -26,6 +26,8 @@ READY_ID = -1
 Method = Union[str, Callable[..., Any]]
 
 _HEADER_LEN = struct.Struct("<I")
+_WIRE_LEN = struct.Struct("!i")
+_WIRE_BIG_LEN = struct.Struct("!Q")
 
 
 def dumps(obj: Any) -> bytes:
@@ -44,20 +46,32 @@ def method_name(method: Method) -> str:
     return getattr(method, "__qualname__", None) or repr(method)
 
 
-def encode_call(call_id: int, method: Method, args: tuple, kwargs: dict, reply_ranks: Optional[frozenset]) -> bytes:
+def encode_body(method: Method, args: tuple, kwargs: dict) -> bytes:
+    """The pickled body of a call; done before the dispatch lock, since it may be large."""
     try:
-        body = dumps((method, args, kwargs))
+        return dumps((method, args, kwargs))
     except Exception as exc:
         raise SerializationError(
             f"cannot pickle the arguments of {method_name(method)!r}: {type(exc).__name__}: {exc}"
         ) from exc
+
+
+def encode_call(call_id: int, reply_ranks: Optional[frozenset], body: bytes) -> bytes:
+    """A call's frame in wire form (`Connection.send_bytes` framing), built with one join."""
     header = pickle.dumps((CALL, call_id, reply_ranks), protocol=pickle.HIGHEST_PROTOCOL)
-    return b"".join((_HEADER_LEN.pack(len(header)), header, body))
+    size = _HEADER_LEN.size + len(header) + len(body)
+    return b"".join((wire_prefix(size), _HEADER_LEN.pack(len(header)), header, body))
+
+
+def wire_prefix(size: int) -> bytes:
+    """The length prefix `Connection.send_bytes` writes before a frame of `size` bytes."""
+    return _WIRE_LEN.pack(size) if size <= 0x7FFFFFFF else _WIRE_LEN.pack(-1) + _WIRE_BIG_LEN.pack(size)
 
 
 def encode_stop() -> bytes:
+    """The stop frame in wire form."""
     header = pickle.dumps((STOP, 0, None))
-    return _HEADER_LEN.pack(len(header)) + header
+    return wire_prefix(_HEADER_LEN.size + len(header)) + _HEADER_LEN.pack(len(header)) + header
 
 
 def decode_header(frame: bytes) -> tuple[tuple[int, int, Optional[frozenset]], memoryview]:

@@ -149,10 +149,6 @@ class Router:
                     _poke(self._reader_wake[1])  # the current reader must learn the new deadline
             self._pending[call.call_id] = call
 
-    def forget(self, call: PendingCall) -> None:
-        with self._lock:
-            self._pop(call)
-
     def wake(self) -> None:
         """Make sure somebody reads replies (after an asynchronous submit)."""
         _poke(self._router_wake[1])

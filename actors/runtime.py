@@ -36,8 +36,7 @@ from actors.errors import (
 )
 from actors.gang import Gang, GangSpec, free_port
 from actors.policy import RestartBudget, SupervisionPolicy
-from actors.mailbox import wire
-from actors.messages import encode_call, method_name
+from actors.messages import encode_body, encode_call, method_name
 from actors.router import PendingCall, Router
 
 logger = logging.getLogger(__name__)
@@ -273,9 +272,10 @@ class Runtime:
         """Register a call with `router` and post one frame, encoded once, to every mailbox."""
         method, args, kwargs = body
         everyone = len(reply_ranks) == self.spec.ranks.world_size
+        payload = encode_body(method, args, kwargs)
         with self.dispatch_lock:
             call_id = next(self._ids)
-            frame = wire(encode_call(call_id, method, args, kwargs, None if everyone else frozenset(reply_ranks)))
+            frame = encode_call(call_id, None if everyone else frozenset(reply_ranks), payload)
             call = PendingCall(call_id, method_name(method), reply_ranks, single, timeout, critical=critical)
             call.future.set_running_or_notify_cancel()
             router.register(call)
