@@ -9,6 +9,7 @@ from actors.errors import (
     ActorError,
     ActorStartupError,
     ActorTimeout,
+    BackendUnavailable,
     ConfigError,
     GangRestarted,
     RemoteError,
@@ -18,6 +19,7 @@ from actors.errors import (
 )
 from actors.faults import Fault, FaultPlan, InjectedFault
 from actors.policy import SupervisionPolicy
+from actors.ray_gang import RayOptions
 from actors.supervisor import Supervisor
 
 __all__ = [
@@ -26,12 +28,14 @@ __all__ = [
     "ActorError",
     "ActorStartupError",
     "ActorTimeout",
+    "BackendUnavailable",
     "ConfigError",
     "Fault",
     "FaultPlan",
     "GangRestarted",
     "InjectedFault",
     "RankMap",
+    "RayOptions",
     "RemoteError",
     "RestartBudgetExhausted",
     "SerializationError",

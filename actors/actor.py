@@ -18,6 +18,7 @@ import resource
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -135,10 +136,19 @@ def actor_main(spec: ActorSpec) -> None:
     stack_out = open(spec.stack_file, "a")
     faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
     faulthandler.enable(file=sys.stderr)
-    conn = spec.conn
+    run_actor(spec, spec.conn, spec.health_conn, spec.progress)
+
+
+def run_actor(spec: Any, conn: Connection, health_conn: Connection, progress: Any) -> None:
+    """Build the worker, report readiness on `conn`, serve calls until told to stop, shut down.
+
+    Shared by every backend: `spec` needs the fields of `ActorSpec` that name the worker,
+    the rank, the epoch, the control plane and the fault plan; `progress[global_rank]`
+    is set to the id of each call as it finishes.
+    """
     rank = spec.global_rank
     threading.Thread(
-        target=_answer_health, args=(spec.health_conn, rank, spec.progress), name="pipeactors-health", daemon=True
+        target=_answer_health, args=(health_conn, rank, progress), name="pipeactors-health", daemon=True
     ).start()
     faults = spec.fault_plan.for_rank(spec.coords, spec.epoch) if spec.fault_plan is not None else None
     try:
@@ -147,7 +157,7 @@ def actor_main(spec: ActorSpec) -> None:
         conn.send_bytes(pickle.dumps((READY_ID, rank, False, pack_exception(exc))))
         return
     conn.send_bytes(pickle.dumps((READY_ID, rank, True, (os.getpid(), socket.gethostname()))))
-    _serve(conn, worker, rank, spec.progress, faults, spec.spin_us)
+    _serve(conn, worker, rank, progress, faults, spec.spin_us)
     try:
         if faults is not None:
             faults.before("shutdown")
@@ -159,18 +169,30 @@ def actor_main(spec: ActorSpec) -> None:
 
 
 def _answer_health(conn: Connection, rank: int, progress: Any) -> None:
-    """Answers pings on its own pipe and thread, so a health check never waits behind a call."""
+    """Answers pings (b"?") and stack requests (b"s") on its own pipe and thread, so a
+    health check never waits behind a call."""
     while True:
         try:
-            conn.recv_bytes()
+            request = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        info = {"pid": os.getpid(), "max_rss_kb": usage.ru_maxrss, "last_call": progress[rank]}
+        if request == b"s":
+            answer: Any = _thread_stacks()
+        else:
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            answer = {"pid": os.getpid(), "max_rss_kb": usage.ru_maxrss, "last_call": progress[rank]}
         try:
-            conn.send_bytes(pickle.dumps(info))
+            conn.send_bytes(pickle.dumps(answer))
         except OSError:
             return
+
+
+def _thread_stacks() -> str:
+    """Every thread's Python stack, as faulthandler prints them (it needs a real file)."""
+    with tempfile.TemporaryFile("w+") as out:
+        faulthandler.dump_traceback(file=out, all_threads=True)
+        out.seek(0)
+        return out.read()
 
 
 def _serve(conn: Connection, worker: Any, rank: int, progress: Any, faults: Any, spin_us: float) -> None:

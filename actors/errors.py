@@ -25,6 +25,10 @@ class ActorError(Exception):
     """Base class of every error the actor runtime raises."""
 
 
+class BackendUnavailable(ActorError, ImportError):
+    """The chosen backend cannot run here (its package is missing); the message says how to install it."""
+
+
 class ConfigError(ActorError, ValueError):
     """A gang or call was configured with values that cannot work."""
 
@@ -45,7 +49,8 @@ class ActorDied(ActorError):
     """An actor process ended while the gang was running.
 
     `rank` is (pp, tp); `exitcode` is the process exit status (negative for a
-    signal, as multiprocessing reports it); `signal` is the signal's name or None.
+    signal, as multiprocessing reports it); `signal` is the signal's name or None;
+    `cause` is the backend's account when it has one (Ray's, say) instead of a status.
     """
 
     def __init__(
@@ -55,18 +60,20 @@ class ActorDied(ActorError):
         signal: Optional[str] = None,
         pid: Optional[int] = None,
         during: str = "",
+        cause: str = "",
     ) -> None:
         self.rank = rank
         self.exitcode = exitcode
         self.signal = signal
         self.pid = pid
         self.during = during
-        how = f"killed by {signal}" if signal else f"exited with code {exitcode}"
+        self.cause = cause
+        how = cause or (f"killed by {signal}" if signal else f"exited with code {exitcode}")
         where = f" during {during}" if during else ""
         super().__init__(f"actor {format_rank(rank)} pid {pid} died{where}: {how}")
 
     def __reduce__(self) -> Any:
-        return (type(self), (self.rank, self.exitcode, self.signal, self.pid, self.during))
+        return (type(self), (self.rank, self.exitcode, self.signal, self.pid, self.during, self.cause))
 
 
 class ActorTimeout(ActorError, TimeoutError):

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 from actors.actor import ActorSpec, actor_main
 from actors.context import RankMap
-from actors.control import Address
+from actors.control import Address, Registry
 from actors.errors import (
     ActorDied,
     ActorStartupError,
@@ -74,75 +74,39 @@ class GangSpec:
     fault_plan: Any = None
 
 
-class Gang:
-    """One epoch's actor processes, their mailboxes and the shared progress counters."""
+class BaseGang:
+    """What the runtime and the router need of one epoch's actors, whatever starts them.
 
-    def __init__(
-        self,
-        spec: GangSpec,
-        epoch: int,
-        control_address: Address,
-        authkey: bytes,
-        workdir: str,
-        pdeathsig: bool = True,
-    ) -> None:
-        """`pdeathsig`: arm the kernel's parent-death signal in the actors; only safe when
-        the thread that starts them lives as long as they should (it fires when that
-        thread ends, not the process)."""
+    A backend's gang gives each rank a mailbox (`mailboxes`, whose `conn` also carries
+    the replies), a health connection (`health`), and a sentinel: a file descriptor
+    that becomes readable once the rank is gone. Subclasses start and stop the actors
+    and describe their deaths.
+    """
+
+    spec: GangSpec
+    epoch: int
+    ranks: RankMap
+    mailboxes: list[Mailbox]
+    health: list[Connection]
+    hosts: list[str]
+    spin_us: float
+
+    def _init_base(self, spec: GangSpec, epoch: int) -> None:
         self.spec = spec
         self.epoch = epoch
         self.ranks = spec.ranks
-        world = self.ranks.world_size
-        # One int64 per rank: the id of the last call it finished. Read only to
-        # name the ranks behind a missed deadline, so it costs the hot path nothing.
-        self.progress = _spawn.RawArray("q", world)
-        self.stack_files = [os.path.join(workdir, f"stacks-e{epoch}-r{r}.txt") for r in range(world)]
-        self.processes: list[mp.process.BaseProcess] = []
-        self.mailboxes: list[Mailbox] = []
-        self.hosts: list[str] = [""] * world
-        self._child_ends: list[Connection] = []
+        self.mailboxes = []
+        self.health = []
+        self.hosts = [""] * spec.ranks.world_size
         self._stopped = False
         self._stop_done = threading.Event()
         self._stop_grace = 0.0
         self._lock = threading.Lock()
+        self._health_lock = threading.Lock()
         try:
             pickle.dumps(spec.worker_kwargs)
         except Exception as exc:
             raise SerializationError(f"cannot pickle worker_kwargs: {type(exc).__name__}: {exc}") from exc
-        self.spin_us = spin_us(world)
-        self.health: list[Connection] = []
-        self._health_lock = threading.Lock()
-        for rank in range(world):
-            ours, theirs = _spawn.Pipe(duplex=True)
-            health_ours, health_theirs = _spawn.Pipe(duplex=True)
-            self.health.append(health_ours)
-            pp, tp = self.ranks.coords(rank)
-            actor = ActorSpec(
-                worker=spec.worker,
-                worker_kwargs=spec.worker_kwargs,
-                global_rank=rank,
-                tp_size=self.ranks.tp_size,
-                pp_size=self.ranks.pp_size,
-                epoch=epoch,
-                control_address=control_address,
-                authkey=authkey,
-                conn=theirs,
-                health_conn=health_theirs,
-                progress=self.progress,
-                stack_file=self.stack_files[rank],
-                parent_pid=os.getpid(),
-                pdeathsig=pdeathsig,
-                env=dict(spec.env),
-                cpus=spec.cpus(rank) if spec.cpus else None,
-                fault_plan=spec.fault_plan,
-                spin_us=self.spin_us,
-            )
-            proc = _spawn.Process(
-                target=actor_main, args=(actor,), name=f"pipeactors-e{epoch}-pp{pp}-tp{tp}", daemon=True
-            )
-            self.processes.append(proc)
-            self.mailboxes.append(Mailbox(ours, f"pp{pp}-tp{tp}"))
-            self._child_ends += [theirs, health_theirs]
 
     @property
     def conns(self) -> list[Connection]:
@@ -150,36 +114,43 @@ class Gang:
 
     @property
     def sentinels(self) -> list[int]:
-        return [proc.sentinel for proc in self.processes]
+        raise NotImplementedError
 
     @property
     def pids(self) -> list[Optional[int]]:
-        return [proc.pid for proc in self.processes]
+        raise NotImplementedError
+
+    def start(self, timeout: float, registry: Registry) -> None:
+        """Start every actor (after setting the epoch's rendezvous in `registry`) and wait
+        until all are ready; on any failure stop them all and raise."""
+        raise NotImplementedError
 
     def num_alive(self) -> int:
-        return sum(p.pid is not None and p.exitcode is None for p in self.processes)
+        raise NotImplementedError
 
-    def start(self, timeout: float) -> None:
-        """Start every actor and wait until all are ready; on any failure stop them all and raise."""
-        try:
-            for proc in self.processes:
-                proc.start()
-        except BaseException:
-            self.stop(grace=0.0)
-            raise
-        for end in self._child_ends:  # the children hold their own copies now
-            end.close()
-        self._child_ends = []
-        try:
-            self._await_ready(timeout)
-        except BaseException:
-            self.stop(grace=0.5)
-            raise
+    def is_down(self, rank: int) -> bool:
+        """Whether the rank's actor has ended (or this gang is stopped)."""
+        raise NotImplementedError
+
+    def death_of(self, rank: int, during: str = "") -> ActorDied:
+        """The ActorDied for a rank whose actor ended (or whose connection closed)."""
+        raise NotImplementedError
+
+    def unfinished(self, call_id: int) -> list[int]:
+        """Ranks whose last finished call is older than call_id."""
+        raise NotImplementedError
+
+    def collect_stacks(self, ranks: list[int], settle: float = 0.3) -> dict[int, str]:
+        """Python stacks of the given live ranks."""
+        raise NotImplementedError
+
+    def _stop(self, grace: float) -> None:
+        raise NotImplementedError
 
     def _await_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         waiting = dict(enumerate(self.conns))
-        by_sentinel = {proc.sentinel: rank for rank, proc in enumerate(self.processes)}
+        by_sentinel = {sentinel: rank for rank, sentinel in enumerate(self.sentinels)}
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -214,7 +185,7 @@ class Gang:
                 assert call_id == READY_ID
                 coords = self.ranks.coords(rank)
                 if not ok:
-                    cause = unpack_exception(payload, coords, "startup", self.processes[rank].pid, "")
+                    cause = unpack_exception(payload, coords, "startup", self.pids[rank], self.hosts[rank])
                     raise ActorStartupError(
                         f"worker {self.spec.worker!r} failed to start on {format_rank(coords)}: {cause}",
                         rank=coords,
@@ -222,17 +193,20 @@ class Gang:
                 self.hosts[rank] = payload[1]
                 del waiting[rank]
 
-    def ping(self, timeout: float) -> dict[int, Any]:
-        """Each live actor's answer on its health pipe (pid, max RSS, last call), or the error."""
+    def ask_health(self, request: bytes, timeout: float, ranks: Optional[list[int]] = None) -> dict[int, Any]:
+        """Each live rank's answer to `request` on its health connection: for b"?" a dict
+        (pid, max RSS, last call), for b"s" its stacks; ActorDied for a dead rank, None when
+        no answer came in time."""
         with self._health_lock:
             answers: dict[int, Any] = {}
             asked = {}
-            for rank, (proc, conn) in enumerate(zip(self.processes, self.health)):
-                if self._stopped or proc.exitcode is not None:
+            for rank in range(self.ranks.world_size) if ranks is None else ranks:
+                conn = self.health[rank]
+                if self._stopped or self.is_down(rank):
                     answers[rank] = self.death_of(rank)
                     continue
                 try:
-                    conn.send_bytes(b"?")
+                    conn.send_bytes(request)
                     asked[conn] = rank
                 except OSError:
                     answers[rank] = self.death_of(rank)
@@ -251,19 +225,127 @@ class Gang:
                 answers[rank] = None  # no answer in time
             return answers
 
+    def ping(self, timeout: float) -> dict[int, Any]:
+        """Each live actor's answer on its health connection (pid, max RSS, last call), or the error."""
+        return self.ask_health(b"?", timeout)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Ask each actor to leave, then force it; nothing outlives the gang. Idempotent: a
+        second caller returns when the first one's stop is done (bounded)."""
+        with self._lock:
+            first = not self._stopped
+            if first:
+                self._stopped = True
+                self._stop_grace = grace
+        if not first:
+            # The first stop takes at most its grace, then 1 s after SIGTERM and 5 s after SIGKILL.
+            if not self._stop_done.wait(timeout=self._stop_grace + 7.0):
+                logger.warning("epoch %d: the gang's stop in another thread is still running", self.epoch)
+            return
+        try:
+            self._stop(grace)
+        finally:
+            self._stop_done.set()
+
+
+class Gang(BaseGang):
+    """One epoch's actor processes (multiprocessing, spawn), their pipes and the shared progress counters."""
+
+    def __init__(
+        self,
+        spec: GangSpec,
+        epoch: int,
+        control_address: Address,
+        authkey: bytes,
+        workdir: str,
+        pdeathsig: bool = True,
+    ) -> None:
+        """`pdeathsig`: arm the kernel's parent-death signal in the actors; only safe when
+        the thread that starts them lives as long as they should (it fires when that
+        thread ends, not the process)."""
+        self._init_base(spec, epoch)
+        world = self.ranks.world_size
+        # One int64 per rank: the id of the last call it finished. Read only to
+        # name the ranks behind a missed deadline, so it costs the hot path nothing.
+        self.progress = _spawn.RawArray("q", world)
+        self.stack_files = [os.path.join(workdir, f"stacks-e{epoch}-r{r}.txt") for r in range(world)]
+        self.processes: list[mp.process.BaseProcess] = []
+        self._child_ends: list[Connection] = []
+        self.spin_us = spin_us(world)
+        for rank in range(world):
+            ours, theirs = _spawn.Pipe(duplex=True)
+            health_ours, health_theirs = _spawn.Pipe(duplex=True)
+            self.health.append(health_ours)
+            pp, tp = self.ranks.coords(rank)
+            actor = ActorSpec(
+                worker=spec.worker,
+                worker_kwargs=spec.worker_kwargs,
+                global_rank=rank,
+                tp_size=self.ranks.tp_size,
+                pp_size=self.ranks.pp_size,
+                epoch=epoch,
+                control_address=control_address,
+                authkey=authkey,
+                conn=theirs,
+                health_conn=health_theirs,
+                progress=self.progress,
+                stack_file=self.stack_files[rank],
+                parent_pid=os.getpid(),
+                pdeathsig=pdeathsig,
+                env=dict(spec.env),
+                cpus=spec.cpus(rank) if spec.cpus else None,
+                fault_plan=spec.fault_plan,
+                spin_us=self.spin_us,
+            )
+            proc = _spawn.Process(
+                target=actor_main, args=(actor,), name=f"pipeactors-e{epoch}-pp{pp}-tp{tp}", daemon=True
+            )
+            self.processes.append(proc)
+            self.mailboxes.append(Mailbox(ours, f"pp{pp}-tp{tp}"))
+            self._child_ends += [theirs, health_theirs]
+
+    @property
+    def sentinels(self) -> list[int]:
+        return [proc.sentinel for proc in self.processes]
+
+    @property
+    def pids(self) -> list[Optional[int]]:
+        return [proc.pid for proc in self.processes]
+
+    def num_alive(self) -> int:
+        return sum(p.pid is not None and p.exitcode is None for p in self.processes)
+
+    def is_down(self, rank: int) -> bool:
+        return self.processes[rank].exitcode is not None
+
+    def start(self, timeout: float, registry: Registry) -> None:
+        registry.set_rendezvous({"epoch": self.epoch, "master_addr": "127.0.0.1", "master_port": free_port()})
+        try:
+            for proc in self.processes:
+                proc.start()
+        except BaseException:
+            self.stop(grace=0.0)
+            raise
+        for end in self._child_ends:  # the children hold their own copies now
+            end.close()
+        self._child_ends = []
+        try:
+            self._await_ready(timeout)
+        except BaseException:
+            self.stop(grace=0.5)
+            raise
+
     def death_of(self, rank: int, during: str = "") -> ActorDied:
-        """The ActorDied for a rank whose process ended (or whose pipe closed)."""
         proc = self.processes[rank]
         with self._lock:  # two threads may see the death at once; one reaps
             proc.join(timeout=1.0)
         return ActorDied(self.ranks.coords(rank), proc.exitcode, signal_name(proc.exitcode), proc.pid, during)
 
     def unfinished(self, call_id: int) -> list[int]:
-        """Ranks whose last finished call is older than call_id."""
         return [rank for rank in range(self.ranks.world_size) if self.progress[rank] < call_id]
 
     def collect_stacks(self, ranks: list[int], settle: float = 0.3) -> dict[int, str]:
-        """Python stacks of live actors, dumped by faulthandler on SIGUSR1."""
+        # Dumped by faulthandler on SIGUSR1: works even while the actor holds the GIL in C code.
         offsets: dict[int, int] = {}
         for rank in ranks:
             proc = self.processes[rank]
@@ -289,24 +371,6 @@ class Gang:
             except OSError:
                 pass
         return stacks
-
-    def stop(self, grace: float = 5.0) -> None:
-        """Ask each actor to leave, then SIGTERM, then SIGKILL; join all. Idempotent: a second
-        caller returns when the first one's stop is done (bounded), so nothing outlives either."""
-        with self._lock:
-            first = not self._stopped
-            if first:
-                self._stopped = True
-                self._stop_grace = grace
-        if not first:
-            # The first stop takes at most its grace, then 1 s after SIGTERM and 5 s after SIGKILL.
-            if not self._stop_done.wait(timeout=self._stop_grace + 7.0):
-                logger.warning("epoch %d: the gang's stop in another thread is still running", self.epoch)
-            return
-        try:
-            self._stop(grace)
-        finally:
-            self._stop_done.set()
 
     def _stop(self, grace: float) -> None:
         started = [p for p in self.processes if p.pid is not None]
@@ -340,3 +404,18 @@ class Gang:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+
+
+class ProcessBackend:
+    """The default backend ("mp"): actors are `multiprocessing` spawn children of this process."""
+
+    name = "mp"
+
+    def default_control_address(self, workdir: str) -> Address:
+        return os.path.join(workdir, "control.sock")
+
+    def new_gang(self, spec: GangSpec, epoch: int, control_address: Address, authkey: bytes, workdir: str) -> Gang:
+        return Gang(spec, epoch, control_address, authkey, workdir, pdeathsig=True)
+
+    def close(self) -> None:
+        pass

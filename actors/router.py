@@ -32,7 +32,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Optional
 
 from actors.errors import ActorError, ActorTimeout, SupervisorClosed, unpack_exception
-from actors.gang import Gang
+from actors.gang import BaseGang
 from actors.mailbox import ReplyReader
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class Router:
 
     def __init__(
         self,
-        gang: Gang,
+        gang: BaseGang,
         classify: Callable[["Router", ActorError], BaseException],
         on_fatal: Callable[["Router", ActorError], None],
     ) -> None:

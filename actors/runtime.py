@@ -34,7 +34,7 @@ from actors.errors import (
     SupervisorClosed,
     restart_budget_exhausted,
 )
-from actors.gang import Gang, GangSpec, free_port
+from actors.gang import BaseGang, GangSpec, ProcessBackend
 from actors.policy import RestartBudget, SupervisionPolicy
 from actors.messages import encode_body, encode_call, method_name
 from actors.router import PendingCall, Router
@@ -127,8 +127,10 @@ class Runtime:
         max_inflight: int,
         start_timeout: float,
         shutdown_grace: float,
+        backend: Any = None,
     ) -> None:
         self.spec = spec
+        self.backend = backend if backend is not None else ProcessBackend()
         self.policy = policy
         self.start_timeout = start_timeout
         self.shutdown_grace = shutdown_grace
@@ -141,7 +143,7 @@ class Runtime:
         self.control: Optional[ControlServer] = None
         self.registry: Optional[Registry] = None
         self.authkey = b""
-        self.gang: Optional[Gang] = None
+        self.gang: Optional[BaseGang] = None
         self.router: Optional[Router] = None
         self.state = "starting"  # starting | running | restarting | failed | closed
         self.failure: Optional[ActorError] = None
@@ -150,7 +152,7 @@ class Runtime:
         self.budget = RestartBudget(policy)
         self.last_break: Optional[tuple[int, ActorError]] = None  # (epoch, what broke it), for status()
         self.setup_calls: list[SetupCall] = []
-        self._gangs: list[Gang] = []
+        self._gangs: list[BaseGang] = []
         self._routers: list[Router] = []  # their wake pipes are closed only at shutdown
         self._restart_of: Optional[Router] = None
         self._lifecycle = _Lifecycle()
@@ -164,13 +166,12 @@ class Runtime:
 
     def _start_gang(self, epoch: int) -> Router:
         assert self.registry is not None and self.control is not None
-        self.registry.set_rendezvous({"epoch": epoch, "master_addr": "127.0.0.1", "master_port": free_port()})
-        gang = Gang(self.spec, epoch, self.control.address, self.authkey, self.workdir, pdeathsig=True)
+        gang = self.backend.new_gang(self.spec, epoch, self.control.address, self.authkey, self.workdir)
         with self.cond:
             if self.closed:
                 raise SupervisorClosed("the supervisor was closed during a start")
             self._gangs.append(gang)
-        gang.start(self.start_timeout)
+        gang.start(self.start_timeout, self.registry)
         router = Router(gang, self._classify, self._on_fatal)
         with self.cond:
             self.gang, self.router, self.epoch = gang, router, epoch
@@ -375,6 +376,7 @@ class Runtime:
             each.release_fds()
         if self.control is not None:
             self.control.close()
+        self.backend.close()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 

@@ -21,9 +21,10 @@ from typing_extensions import Self
 from actors.context import RankMap
 from actors.control import Address, ControlServer, Registry
 from actors.errors import ConfigError
-from actors.gang import GangSpec
+from actors.gang import GangSpec, ProcessBackend
 from actors.messages import Method
 from actors.policy import SupervisionPolicy
+from actors.ray_gang import RayBackend, RayOptions
 from actors.router import GangBroken, PendingCall, Router
 from actors.runtime import Runtime, SetupCall
 
@@ -60,8 +61,13 @@ class Supervisor:
         env: environment variables set in every actor before the worker is imported.
         cpus: a function of the global rank giving the CPUs that actor may run on.
         control_address: where the control plane listens; default a Unix socket in
-            a private directory; ("127.0.0.1", 0) for loopback TCP.
+            a private directory ("mp") or TCP on this node's address ("ray");
+            ("127.0.0.1", 0) for loopback TCP.
         shutdown_grace: seconds actors get to leave on close before SIGTERM/SIGKILL.
+        backend: "mp" (default): actors are child processes of this one; "ray": each rank
+            is a Ray actor placed through placement groups (needs `pipeactors[ray]`;
+            see `actors.RayOptions`). Everything else behaves the same.
+        ray_options: an `actors.RayOptions` (placement, resources per rank) for "ray".
     """
 
     def __init__(
@@ -80,8 +86,14 @@ class Supervisor:
         cpus: Optional[Callable[[int], Optional[list[int]]]] = None,
         control_address: Optional[Address] = None,
         shutdown_grace: float = 5.0,
+        backend: str = "mp",
+        ray_options: Optional[RayOptions] = None,
     ) -> None:
         self._ranks = RankMap(tp_size, pp_size)
+        if backend not in ("mp", "ray"):
+            raise ConfigError(f"backend must be 'mp' or 'ray', got {backend!r}")
+        if ray_options is not None and not isinstance(ray_options, RayOptions):
+            raise ConfigError(f"ray_options must be an actors.RayOptions, got {type(ray_options).__name__}")
         if max_inflight is None:
             max_inflight = pp_size
         if not isinstance(max_inflight, int) or max_inflight < 1:
@@ -103,10 +115,12 @@ class Supervisor:
         self.max_inflight = max_inflight
         self.call_timeout = call_timeout
         self.start_timeout = start_timeout
-        self._rt = Runtime(spec, self.policy, max_inflight, start_timeout, shutdown_grace)
+        self.backend = backend
+        runner = RayBackend(ray_options, self._ranks) if backend == "ray" else ProcessBackend()
+        self._rt = Runtime(spec, self.policy, max_inflight, start_timeout, shutdown_grace, runner)
         try:
             self._authkey = os.urandom(32)
-            address = control_address or os.path.join(self._rt.workdir, "control.sock")
+            address = control_address or runner.default_control_address(self._rt.workdir)
             self._rt.registry = Registry({"epoch": 0})
             self._rt.control = ControlServer(self._rt.registry, address, self._authkey)
             self._rt.authkey = self._authkey

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence, Union
 
 from typing_extensions import Self
 
-from actors import FaultPlan, Supervisor, SupervisionPolicy
+from actors import FaultPlan, RayOptions, Supervisor, SupervisionPolicy
 from models.config import load_config
 from scheduling.engine import Engine
 from scheduling.request import Request, RequestOutput
@@ -87,6 +87,10 @@ class LLM:
         policy: supervision policy, "fail" (default) or "restart"; after a restart the
             engine recomputes the requests that were running, so none is lost.
         fault_plan: an `actors.FaultPlan` (deterministic fault injection, for tests).
+        backend: "mp" (default, worker processes of this one) or "ray" (Ray actors placed
+            through placement groups; see `actors.RayOptions`). With "ray" ranks are not
+            pinned unless `cpus_per_rank` is given, and each runs `ray_options.num_cpus` threads.
+        ray_options: an `actors.RayOptions` for backend="ray".
     """
 
     def __init__(
@@ -109,6 +113,8 @@ class LLM:
         max_inflight: Optional[int] = None,
         policy: Union[str, SupervisionPolicy, None] = None,
         fault_plan: Optional[FaultPlan] = None,
+        backend: str = "mp",
+        ray_options: Optional[RayOptions] = None,
     ) -> None:
         if model is None:
             from models.default_model import default_model_dir
@@ -123,7 +129,13 @@ class LLM:
         tokenizer_loader.shutdown(wait=False)
         self._request_ids = itertools.count()
         world_size = tp * pp
-        plan = cpu_plan(world_size, cpus_per_rank)
+        if backend == "ray":
+            # Ray decides where ranks run: pin only when asked; threads follow the CPUs reserved.
+            plan = cpu_plan(world_size, cpus_per_rank) if cpus_per_rank else None
+            if num_threads is None:
+                num_threads = max(1, int((ray_options or RayOptions()).num_cpus))
+        else:
+            plan = cpu_plan(world_size, cpus_per_rank)
         if num_threads is None and plan is not None:
             num_threads = len(plan[0])
         worker_kwargs: dict[str, Any] = dict(
@@ -144,6 +156,8 @@ class LLM:
                 policy=policy,
                 fault_plan=fault_plan,
                 cpus=plan.__getitem__ if plan is not None else None,
+                backend=backend,
+                ray_options=ray_options,
             )
         except BaseException:
             tokenizer.cancel()

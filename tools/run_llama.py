@@ -54,6 +54,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="pp,tp:method:at_call:action[:seconds][@epoch], e.g. 0,0:execute_model:5:crash (repeatable)",
     )
     parser.add_argument("--step-timeout", type=float, default=None, help="deadline of each model step, s")
+    parser.add_argument(
+        "--backend", default="mp", choices=["mp", "ray"],
+        help="mp: worker processes of this one; ray: Ray actors (pip install 'pipeactors[ray]')",
+    )
+    parser.add_argument(
+        "--ray-address", default=None,
+        help="Ray cluster to join (default: the one Ray finds, else a local one)",
+    )
+    parser.add_argument("--ray-cpus-per-rank", type=float, default=1.0, help="logical CPUs each Ray actor reserves")
+    parser.add_argument(
+        "--ray-spread-stages", action="store_true", help="put each pipeline stage on a different Ray node"
+    )
     parser.add_argument("--log-level", default="WARNING")
     return parser.parse_args(argv)
 
@@ -63,9 +75,14 @@ def main(argv: list[str] | None = None) -> dict:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import prompt_sets
-    from actors import Fault, FaultPlan
+    from actors import Fault, FaultPlan, RayOptions
     from scheduling import LLM, SamplingParams
 
+    ray_options = None
+    if args.backend == "ray":
+        ray_options = RayOptions(
+            num_cpus=args.ray_cpus_per_rank, spread_stages=args.ray_spread_stages, address=args.ray_address
+        )
     fault_plan = FaultPlan([Fault.parse(spec) for spec in args.inject_fault]) if args.inject_fault else None
     t0 = time.perf_counter()
     with LLM(
@@ -78,6 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
         step_timeout=args.step_timeout,
         policy=args.policy,
         fault_plan=fault_plan,
+        backend=args.backend,
+        ray_options=ray_options,
     ) as llm:
         startup_s = time.perf_counter() - t0
         if args.dataset == "sharegpt":
@@ -111,6 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
         "tp": args.tp,
         "pp": args.pp,
         "dtype": args.dtype,
+        "backend": args.backend,
         "dataset": args.dataset,
         "num_prompts": len(specs),
         "prompt_tokens": prompt_tokens,

@@ -1,0 +1,226 @@
+"""The same gang on Ray (backend="ray"): a local two-node Ray cluster started by this module.
+
+The cluster is two Ray nodes on this machine (ray.cluster_utils.Cluster starts
+each node's raylet as `ray start` would): the head node carries the custom
+resource "head_node", the second one "node_b", so tests can pin pipeline stages
+to either. No dashboard; 4 + 2 logical CPUs.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from actors import (
+    ActorDied,
+    BackendUnavailable,
+    ConfigError,
+    Fault,
+    FaultPlan,
+    RayOptions,
+    RemoteError,
+    Supervisor,
+)
+from scheduling import LLM, SamplingParams
+from tests.conftest import wait_gone
+from tests.model_checkpoints import build_checkpoint, reference_greedy
+from tests.test_scheduling_llm import BLOCK, MANY_PROMPTS, NEW_TOKENS
+
+pytestmark = pytest.mark.timeout(300)
+
+S = 0.25  # seconds each pipeline stage spends per call
+ON_HEAD = {"head_node": 0.01}
+ON_B = {"node_b": 0.01}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 4, "resources": {"head_node": 1.0}, "include_dashboard": False},
+    )
+    try:
+        node_b = cluster.add_node(num_cpus=2, resources={"node_b": 1.0})
+        ray.init(address=cluster.address, logging_level="WARNING")
+        cluster.wait_for_nodes()
+        yield cluster, node_b
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def node_ids(cluster):
+    """The Ray node id of the head node and of node_b."""
+    by_resource = {}
+    for node in ray.nodes():
+        if node["Alive"]:
+            for name in ("head_node", "node_b"):
+                if name in node["Resources"]:
+                    by_resource[name] = node["NodeID"]
+    return by_resource
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = build_checkpoint(tmp_path_factory.mktemp("ray") / "tiny", seed=3)
+    full = reference_greedy(path, MANY_PROMPTS, NEW_TOKENS)
+    return path, [seq[len(p) :] for seq, p in zip(full, MANY_PROMPTS)]
+
+
+def _gang_node_ids(sup: Supervisor) -> list[str]:
+    return sup._rt.gang.node_ids
+
+
+def _assert_actors_dead(handles: list, pids: list[int]) -> None:
+    for handle in handles:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(handle.describe.remote(False), timeout=30)
+    assert not wait_gone(pids, timeout=10), "Ray actor processes left behind"
+
+
+def test_collective_rpc_order_replies_and_remote_errors(cluster):
+    with Supervisor("tests.workers:EchoWorker", tp_size=2, pp_size=2, backend="ray", start_timeout=120) as sup:
+        assert sup.backend == "ray"
+        assert sup.collective_rpc("whoami") == [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
+        assert sup.collective_rpc("whoami", reply_ranks=[(1, 0)]) == [(1, 0, 2)]
+        futures = [sup.submit("echo", args=(i,)) for i in range(50)]
+        assert [f.result(timeout=30) for f in futures] == list(range(50))
+        assert sup.collective_rpc("echo", args=(b"x" * 300_000,), reply_ranks=[0]) == [b"x" * 300_000]  # writer-thread path
+        with pytest.raises(RemoteError) as info:
+            sup.collective_rpc("fail", kwargs={"on": (1, 1)})
+        assert isinstance(info.value, ValueError) and info.value.rank == (1, 1)
+        with pytest.raises(RemoteError) as info:
+            sup.collective_rpc("no_such_method")
+        assert isinstance(info.value, AttributeError)
+        health = sup.check_health()
+        assert sorted(health) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert sup.collective_rpc("pid") == [health[r]["pid"] for r in sorted(health)]
+
+
+def test_pipelined_calls_overlap_across_stages(cluster):
+    with Supervisor(
+        "tests.workers:PipeStageWorker", {"stage_seconds": S}, pp_size=2, backend="ray", start_timeout=120
+    ) as sup:
+        sup.collective_rpc("init_distributed", timeout=60)
+        sup.submit("step", args=(0,)).result(timeout=30)
+        n = 8
+        t0 = time.monotonic()
+        futures = [sup.submit("step", args=(i,)) for i in range(n)]
+        assert [f.result(timeout=60) for f in futures] == [i + 2 for i in range(n)]
+        elapsed = time.monotonic() - t0
+        # Overlapped: about (n + 1) * S = 2.25 s; serialized it would be 2 * n * S = 4 s.
+        assert (n + 1) * S - 0.05 <= elapsed < (n + 1) * S + 0.8, elapsed
+
+
+def test_stages_placed_on_the_nodes_asked_for(cluster, node_ids):
+    options = RayOptions(num_cpus=1, stage_resources=[ON_B, ON_HEAD])
+    with Supervisor(
+        "tests.workers:PipeStageWorker", {"stage_seconds": 0.05}, pp_size=2, tp_size=2,
+        backend="ray", ray_options=options, start_timeout=120,
+    ) as sup:
+        assert _gang_node_ids(sup) == [node_ids["node_b"]] * 2 + [node_ids["head_node"]] * 2
+        # torch.distributed spans both nodes: its rendezvous is on rank 0's node (node_b).
+        sup.collective_rpc("init_distributed", timeout=60)
+        assert sup.submit("step", args=(5,)).result(timeout=30) == 7
+
+
+def test_spread_stages_puts_each_stage_on_its_own_node(cluster):
+    with Supervisor(
+        "tests.workers:EchoWorker", tp_size=2, pp_size=2, backend="ray",
+        ray_options=RayOptions(num_cpus=0.5, spread_stages=True), start_timeout=120,
+    ) as sup:
+        nodes = _gang_node_ids(sup)
+        assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2]
+        assert sup.collective_rpc("whoami", reply_ranks=[3]) == [(1, 1, 3)]
+
+
+def test_tp2_pp2_greedy_output_equals_transformers(cluster, checkpoint):
+    path, expected = checkpoint
+    with LLM(path, tp=2, pp=2, block_size=BLOCK, max_num_seqs=3, backend="ray", start_timeout=120) as llm:
+        outputs = llm.generate(MANY_PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert [o.token_ids for o in outputs] == expected
+        handles, pids = list(llm.supervisor._rt.gang._actors), llm.supervisor.pids
+    _assert_actors_dead(handles, pids)
+
+
+def test_a_crash_under_restart_policy_gives_identical_output(cluster, checkpoint):
+    """A stage-1 actor is SIGKILLed mid-run: the gang restarts as new Ray actors (Ray itself never
+    restarts one), the engine recomputes, and greedy output is unchanged."""
+    path, expected = checkpoint
+    plan = FaultPlan([Fault((1, 0), "execute_model", at_call=4, action="crash")])
+    with LLM(
+        path, tp=1, pp=2, block_size=BLOCK, max_num_seqs=3, policy="restart", fault_plan=plan,
+        backend="ray", start_timeout=120,
+    ) as llm:
+        first = list(llm.supervisor._rt._gangs[0]._actors)
+        first_pids = list(llm.supervisor._rt._gangs[0].pids)
+        outputs = llm.generate(MANY_PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert [o.token_ids for o in outputs] == expected
+        assert llm.supervisor.epoch == 1 and llm.engine.stats()["num_recoveries"] == 1
+        last = llm.supervisor._rt._gangs[-1]
+        assert not set(last.pids) & set(first_pids)
+        assert "Ray reports" in str(llm.supervisor.status()["last_break"]["message"])
+        _assert_actors_dead(first, first_pids)  # the broken epoch's actors stay dead
+        handles, pids = list(last._actors), list(last.pids)
+    _assert_actors_dead(handles, pids)
+
+
+def test_actor_death_is_actor_died_naming_the_rank(cluster):
+    with Supervisor("tests.workers:EchoWorker", pp_size=2, backend="ray", start_timeout=120) as sup:
+        handles, pids = list(sup._rt.gang._actors), sup.pids
+        start = time.monotonic()
+        with pytest.raises(ActorDied) as info:
+            sup.collective_rpc("die", args=("sigkill", (1, 0)))
+        assert time.monotonic() - start < 5
+        assert info.value.rank == (1, 0) and info.value.pid == pids[1]
+        assert "Ray reports" in str(info.value), str(info.value)
+        with pytest.raises(ActorDied):
+            sup.collective_rpc("noop")
+    _assert_actors_dead(handles, pids)
+
+
+def test_node_death_is_actor_died_and_restart_moves_the_stage(cluster):
+    cluster_, _ = cluster
+    extra = cluster_.add_node(num_cpus=1, resources={"node_c": 1.0})
+    cluster_.wait_for_nodes()
+    options = RayOptions(num_cpus=1, stage_resources=[{}, {"node_c": 0.01}])
+    sup = Supervisor("tests.workers:EchoWorker", pp_size=2, backend="ray", ray_options=options, start_timeout=120)
+    try:
+        pids = sup.pids
+        cluster_.remove_node(extra, allow_graceful=False)
+        start = time.monotonic()
+        with pytest.raises(ActorDied) as info:
+            sup.collective_rpc("sleep", args=(60.0,), timeout=90)
+        assert info.value.rank == (1, 0) and time.monotonic() - start < 30
+        assert not wait_gone(pids[1:], timeout=10)
+    finally:
+        sup.close()
+    assert not wait_gone(pids, timeout=10)
+
+
+def test_unplaceable_gang_is_a_startup_error_naming_the_stage(cluster):
+    from actors import ActorStartupError
+
+    options = RayOptions(num_cpus=1, stage_resources=[{}, {"no_such_node": 1.0}])
+    start = time.monotonic()
+    with pytest.raises(ActorStartupError, match="could not place stage 1"):
+        Supervisor("tests.workers:EchoWorker", pp_size=2, backend="ray", ray_options=options, start_timeout=3)
+    assert time.monotonic() - start < 15
+
+
+def test_bad_ray_options_are_config_errors():
+    with pytest.raises(ConfigError, match="stage_resources"):
+        Supervisor("tests.workers:EchoWorker", pp_size=2, backend="ray", ray_options=RayOptions(stage_resources=[{}]))
+    with pytest.raises(ConfigError, match="backend"):
+        Supervisor("tests.workers:EchoWorker", backend="threads")
+
+
+def test_missing_ray_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
+    with pytest.raises(BackendUnavailable, match=r"pip install 'pipeactors\[ray\]'"):
+        Supervisor("tests.workers:EchoWorker", backend="ray")
