@@ -14,6 +14,7 @@ port with a new token, so an actor of an earlier epoch cannot join a later one.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import socket
@@ -98,6 +99,71 @@ def import_ray() -> Any:
     return ray
 
 
+def local_ray_cpus(options: RayOptions, ranks: RankMap) -> int:
+    """Logical CPUs for a local Ray instance started for this gang.
+
+    Ray's default is the core count, and each rank reserves `options.num_cpus`: a
+    TP2xPP2 gang on 2 cores would never be placed. Like the "mp" backend, which
+    starts world_size processes whatever the core count, a local instance gets
+    enough logical CPUs for the whole gang.
+    """
+    return max(os.cpu_count() or 1, math.ceil(ranks.world_size * options.num_cpus))
+
+
+def _init_ray(ray: Any, options: RayOptions, ranks: RankMap) -> None:
+    """`ray.init()` as Ray would do it: the cluster named or found, else a local instance that fits the gang."""
+    if options.address is not None:
+        ray.init(address=options.address, include_dashboard=False)
+        return
+    cpus = local_ray_cpus(options, ranks)
+    try:
+        ray.init(num_cpus=cpus, include_dashboard=False)
+    except ValueError as exc:
+        # Ray found a running cluster (RAY_ADDRESS, or `ray start` on this host), whose
+        # size is its own: connect to it as it is.
+        if "existing cluster" not in str(exc):
+            raise
+        ray.init(include_dashboard=False)
+    else:
+        if cpus > (os.cpu_count() or 1):
+            logger.info("started a local Ray with %d logical CPUs for %d ranks on %s cores", cpus, ranks.world_size, os.cpu_count())
+
+
+def _scheduling_resources(resources: Mapping[str, float]) -> dict[str, float]:
+    """A resource dict without Ray's per-placement-group bookkeeping entries."""
+    return {k: v for k, v in resources.items() if "_group_" not in k and not k.startswith("node:")}
+
+
+def check_fits(
+    nodes: Sequence[Mapping[str, float]], groups: Sequence[tuple[str, Sequence[Mapping[str, float]]]]
+) -> Optional[str]:
+    """Why `groups` (strategy, bundles) can never be placed on `nodes` (each node's total resources), or None.
+
+    Judged on totals, not on what is free now: a gang that needs more than the cluster
+    has fails at once instead of waiting out its start timeout.
+    """
+
+    def fits(node: Mapping[str, float], need: Mapping[str, float]) -> bool:
+        return all(node.get(k, 0.0) + 1e-9 >= v for k, v in need.items())
+
+    for strategy, bundles in groups:
+        if strategy == "STRICT_PACK":
+            need: dict[str, float] = {}
+            for bundle in bundles:
+                for k, v in bundle.items():
+                    need[k] = need.get(k, 0.0) + v
+            if not any(fits(node, need) for node in nodes):
+                return f"no node has {need} for one stage (a TP group shares a node)"
+        else:  # STRICT_SPREAD: each bundle on its own node (greedy: bundles are alike in practice)
+            free = list(nodes)
+            for bundle in sorted(bundles, key=lambda b: -sum(b.values())):
+                host = next((n for n in free if fits(n, bundle)), None)
+                if host is None:
+                    return f"{len(bundles)} stages on distinct nodes need {list(bundles)}, and too few nodes can hold one"
+                free.remove(host)
+    return None
+
+
 class RayBackend:
     """The "ray" backend: connects to (or starts) Ray once, then builds a `RayGang` per epoch."""
 
@@ -108,8 +174,7 @@ class RayBackend:
         self.options.validate(ranks)
         self.ray = import_ray()
         if not self.ray.is_initialized():
-            # Connects to a running cluster if Ray finds one, else starts a local one.
-            self.ray.init(address=self.options.address, include_dashboard=False)
+            _init_ray(self.ray, self.options, ranks)
         self.node_ip = self.ray.util.get_node_ip_address()
 
     def default_control_address(self, workdir: str) -> Address:
@@ -253,6 +318,8 @@ class RayGang(BaseGang):
         self._authkey = authkey
         self._node_ip = node_ip
         self._token = os.urandom(16)
+        # Placement-group names are unique per Ray namespace, which many gangs may share.
+        self._pg_name = f"pipeactors-{self._token[:4].hex()}-e{epoch}"
         self._pgs: list[Any] = []
         self._actors: list[Any] = [None] * world
         self._serve_refs: list[Any] = [None] * world
@@ -331,14 +398,25 @@ class RayGang(BaseGang):
             for stage in range(ranks.pp_size):
                 per_rank = options.rank_resources(stage)
                 stage_bundles.append({k: v * ranks.tp_size for k, v in per_rank.items()})
-            self._pgs = [placement_group(stage_bundles, strategy="STRICT_SPREAD", name=f"pipeactors-e{self.epoch}")]
+            groups = [("STRICT_SPREAD", stage_bundles)]
+        else:
+            groups = [("STRICT_PACK", [options.rank_resources(stage)] * ranks.tp_size) for stage in range(ranks.pp_size)]
+        nodes = [_scheduling_resources(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
+        why = check_fits(nodes, groups)
+        if why is not None:
+            raise ActorStartupError(
+                f"the Ray cluster can never place this gang: {why}; it has "
+                f"{_scheduling_resources(ray.cluster_resources())} in all over {len(nodes)} node(s). "
+                "Reserve less per rank (RayOptions.num_cpus), or add nodes",
+                rank=(0, 0),
+            )
+        if options.spread_stages:
+            self._pgs = [placement_group(groups[0][1], strategy="STRICT_SPREAD", name=self._pg_name)]
             where = [(self._pgs[0], divmod(rank, ranks.tp_size)[0]) for rank in range(ranks.world_size)]
         else:
             self._pgs = [
-                placement_group(
-                    [options.rank_resources(stage)] * ranks.tp_size, strategy="STRICT_PACK", name=f"pipeactors-e{self.epoch}-pp{stage}"
-                )
-                for stage in range(ranks.pp_size)
+                placement_group(bundles, strategy=strategy, name=f"{self._pg_name}-pp{stage}")
+                for stage, (strategy, bundles) in enumerate(groups)
             ]
             where = [(self._pgs[pp], tp) for pp, tp in map(ranks.coords, range(ranks.world_size))]
         for index, pg in enumerate(self._pgs):
@@ -347,8 +425,9 @@ class RayGang(BaseGang):
             if not ready:
                 what = "stages on distinct nodes" if options.spread_stages else f"stage {index}"
                 raise ActorStartupError(
-                    f"Ray could not place {what} ({pg.bundle_specs}) within {left:.3g}s; "
-                    f"the cluster has {ray.cluster_resources()} in all, {ray.available_resources()} free",
+                    f"Ray could not place {what} ({pg.bundle_specs}) within {left:.3g}s; the cluster has "
+                    f"{_scheduling_resources(ray.cluster_resources())} in all, "
+                    f"{_scheduling_resources(ray.available_resources())} free",
                     rank=(0 if options.spread_stages else index, 0),
                 )
         host = _host_class(ray)

@@ -1,8 +1,11 @@
 """Round-trip time of a no-op collective_rpc, and pipelined submit throughput.
 
 Prints one JSON line per configuration:
-  {"bench": "collective_rpc_noop", "world_size": W, "p50_us": ..., "p99_us": ..., "calls": N}
-  {"bench": "pipelined_submit", "world_size": W, "calls_per_s": ..., "calls": 1000}
+  {"bench": "collective_rpc_noop", "backend": B, "world_size": W, "startup_s": ..., "p50_us": ..., "p99_us": ..., "calls": N}
+  {"bench": "pipelined_submit", "backend": B, "world_size": W, "calls_per_s": ..., "calls": 1000}
+With --backend ray it first starts a local Ray instance (no dashboard) and prints
+  {"bench": "ray_init", "seconds": ...}
+startup_s is the Supervisor's construction: every actor started and ready.
 
 Run it alone on the machine: any other load changes the figures.
 """
@@ -34,9 +37,11 @@ class NoopWorker:
 LAYOUTS = {1: (1, 1), 2: (2, 1), 4: (2, 2)}
 
 
-def bench_world(world: int, calls: int, submits: int) -> list[dict]:
+def bench_world(world: int, calls: int, submits: int, backend: str = "mp") -> list[dict]:
     tp, pp = LAYOUTS[world]
-    with Supervisor("tools.bench_rpc:NoopWorker", tp_size=tp, pp_size=pp) as sup:
+    t0 = time.perf_counter()
+    with Supervisor("tools.bench_rpc:NoopWorker", tp_size=tp, pp_size=pp, backend=backend) as sup:
+        startup = time.perf_counter() - t0
         for _ in range(200):  # warm-up
             sup.collective_rpc("noop")
         samples = []
@@ -47,9 +52,11 @@ def bench_world(world: int, calls: int, submits: int) -> list[dict]:
         samples.sort()
         rtt = {
             "bench": "collective_rpc_noop",
+            "backend": backend,
             "world_size": world,
             "tp": tp,
             "pp": pp,
+            "startup_s": round(startup, 3),
             "p50_us": round(statistics.median(samples) * 1e6, 1),
             "p99_us": round(samples[int(len(samples) * 0.99)] * 1e6, 1),
             "calls": calls,
@@ -61,6 +68,7 @@ def bench_world(world: int, calls: int, submits: int) -> list[dict]:
         elapsed = time.perf_counter() - t0
         thr = {
             "bench": "pipelined_submit",
+            "backend": backend,
             "world_size": world,
             "tp": tp,
             "pp": pp,
@@ -76,9 +84,16 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4], choices=sorted(LAYOUTS))
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--submits", type=int, default=1000)
+    parser.add_argument("--backend", default="mp", choices=["mp", "ray"])
     args = parser.parse_args()
+    if args.backend == "ray":
+        import ray
+
+        t0 = time.perf_counter()
+        ray.init(num_cpus=max(LAYOUTS[w][0] * LAYOUTS[w][1] for w in args.worlds), include_dashboard=False)
+        print(json.dumps({"bench": "ray_init", "seconds": round(time.perf_counter() - t0, 3)}), flush=True)
     for world in args.worlds:
-        for line in bench_world(world, args.calls, args.submits):
+        for line in bench_world(world, args.calls, args.submits, args.backend):
             print(json.dumps(line), flush=True)
 
 
