@@ -28,6 +28,7 @@ __all__ = [
     "layer_matmul_macs",
     "lm_head_layers",
     "load_config",
+    "cpu_has_native_bf16",
     "resolve_dtype",
     "shard_range",
     "split_layers",
@@ -165,14 +166,44 @@ def load_config(path: Union[str, os.PathLike]) -> LlamaArgs:
     return LlamaArgs.from_dict(cfg)
 
 
-def resolve_dtype(name: Union[str, torch.dtype], args: LlamaArgs) -> torch.dtype:
-    """The torch dtype for a `dtype` setting: "auto" means the checkpoint's own dtype, else float32."""
+def cpu_has_native_bf16(cpuinfo: Optional[str] = None) -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (x86 AVX512-BF16 or AMX, Arm BF16).
+
+    Without it oneDNN emulates bf16 matmuls, several times slower than float32. Judged
+    from /proc/cpuinfo; where that cannot be read the answer is True (keep the checkpoint's dtype).
+    """
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return True
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    if not flags:
+        return True
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def resolve_dtype(name: Union[str, torch.dtype], args: LlamaArgs, device_type: str = "cpu") -> torch.dtype:
+    """The torch dtype for a `dtype` setting.
+
+    "auto" means the checkpoint's own dtype (float32 when it names none), except that a
+    bfloat16 checkpoint runs in float32 on a CPU without native bf16, where emulated
+    bf16 is several times slower. An explicit dtype is always honoured.
+    """
     if isinstance(name, torch.dtype):
         if name not in _DTYPES.values():
             raise ModelConfigError(f"dtype {name} is not one of float32, bfloat16, float16")
         return name
     if name == "auto":
-        return _DTYPES.get(str(args.torch_dtype), torch.float32) if args.torch_dtype else torch.float32
+        dtype = _DTYPES.get(str(args.torch_dtype), torch.float32) if args.torch_dtype else torch.float32
+        if dtype == torch.bfloat16 and device_type == "cpu" and not cpu_has_native_bf16():
+            return torch.float32
+        return dtype
     try:
         return _DTYPES[str(name)]
     except KeyError:

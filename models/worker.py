@@ -92,9 +92,15 @@ class LlamaWorker:
         self.model_path = os.fspath(model)
         try:
             self.args = load_config(self.model_path)
-            self.dtype = resolve_dtype(dtype, self.args)
+            if device is None:
+                cuda = torch.cuda.is_available()
+                device = f"cuda:{ctx.global_rank % torch.cuda.device_count()}" if cuda else "cpu"
+            self.device = torch.device(device)
+            self.dtype = resolve_dtype(dtype, self.args, self.device.type)
         except ModelConfigError as exc:
             raise ModelConfigError(f"{self.where}: {exc}") from None
+        if dtype == "auto" and self.args.torch_dtype == "bfloat16" and self.dtype != torch.bfloat16:
+            logger.info("%s: this CPU has no native bf16; dtype='auto' runs the bfloat16 checkpoint in float32", self.where)
         self.layout = Layout(
             self.args,
             tp=ctx.tp,
@@ -110,10 +116,6 @@ class LlamaWorker:
         self.block_size = int(block_size)
         self.dist_timeout_s = dist_timeout_s
         self.shm_allreduce = shm_allreduce
-        if device is None:
-            cuda = torch.cuda.is_available()
-            device = f"cuda:{ctx.global_rank % torch.cuda.device_count()}" if cuda else "cpu"
-        self.device = torch.device(device)
         self.num_threads = num_threads or _default_threads(ctx.world_size)
         if self.device.type == "cpu":
             torch.set_num_threads(self.num_threads)

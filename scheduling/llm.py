@@ -167,6 +167,7 @@ class LLM:
             infos = self._setup_call("load_model", start_timeout)
             self.num_blocks = min(int(info["num_blocks"]) for info in infos)
             self.block_size = int(infos[0]["block_size"])
+            self.dtype: str = str(infos[0]["dtype"])  # what "auto" became on the ranks
             capacity = self.num_blocks * self.block_size
             limit = self.args.max_position_embeddings
             if max_model_len is None:

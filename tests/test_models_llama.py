@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+import models.config
 from actors.context import ActorContext
 from models.batch import ModelBatch, SequenceChunk
 from models.config import (
@@ -268,12 +269,25 @@ def test_unknown_dtype_is_rejected(checkpoints):
         LlamaWorker(single_rank(), model=checkpoints["single"], dtype="float8")
 
 
-def test_auto_dtype_is_the_checkpoint_dtype(tmp_path, checkpoints):
+def test_auto_dtype_is_the_checkpoint_dtype(tmp_path, checkpoints, monkeypatch):
     raw = json.loads(open(os.path.join(checkpoints["single"], "config.json")).read())
     (tmp_path / "config.json").write_text(json.dumps({**raw, "dtype": "bfloat16"}))
+    monkeypatch.setattr(models.config, "cpu_has_native_bf16", lambda: True)
     assert LlamaWorker(single_rank(), model=str(tmp_path)).dtype == torch.bfloat16
+    # Emulated bf16 is several times slower than float32: "auto" does not pick it.
+    monkeypatch.setattr(models.config, "cpu_has_native_bf16", lambda: False)
+    assert LlamaWorker(single_rank(), model=str(tmp_path)).dtype == torch.float32
+    assert LlamaWorker(single_rank(), model=str(tmp_path), dtype="bfloat16").dtype == torch.bfloat16
     (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k != "dtype"}))
     assert LlamaWorker(single_rank(), model=str(tmp_path)).dtype == torch.float32
+
+
+def test_native_bf16_is_read_from_the_cpu_flags():
+    assert models.config.cpu_has_native_bf16("flags\t: fpu avx2 avx512f avx512_bf16 amx_tile\n")
+    assert models.config.cpu_has_native_bf16("flags\t: fpu avx2 amx_bf16 amx_tile\n")
+    assert models.config.cpu_has_native_bf16("Features\t: fp asimd sve bf16 i8mm\n")  # Arm
+    assert not models.config.cpu_has_native_bf16("flags\t: fpu avx2 avx512f avx512_vnni\n")
+    assert models.config.cpu_has_native_bf16("processor : 0\n")  # no flags to judge by: keep bf16
 
 
 def test_bfloat16_logits_stay_close_to_float32(checkpoints):

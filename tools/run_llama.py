@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
         "model": args.model or "default",
         "tp": args.tp,
         "pp": args.pp,
-        "dtype": args.dtype,
+        "dtype": llm.dtype,
         "backend": args.backend,
         "dataset": args.dataset,
         "num_prompts": len(specs),
