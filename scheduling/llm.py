@@ -168,6 +168,10 @@ class LLM:
             self.num_blocks = min(int(info["num_blocks"]) for info in infos)
             self.block_size = int(infos[0]["block_size"])
             self.dtype: str = str(infos[0]["dtype"])  # what "auto" became on the ranks
+            # Decoder layers per pipeline stage, as the ranks loaded them.
+            self.layer_split: tuple[int, ...] = tuple(
+                info["layers"][1] - info["layers"][0] for info in infos if tuple(info["rank"])[1] == 0
+            )
             capacity = self.num_blocks * self.block_size
             limit = self.args.max_position_embeddings
             if max_model_len is None:

@@ -66,6 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--ray-spread-stages", action="store_true", help="put each pipeline stage on a different Ray node"
     )
+    parser.add_argument(
+        "--layer-split", type=int, nargs="+", default=None, metavar="N",
+        help="decoder layers per pipeline stage, e.g. --pp 2 --layer-split 5 3 (default: balanced by estimated cost)",
+    )
     parser.add_argument("--log-level", default="WARNING")
     return parser.parse_args(argv)
 
@@ -97,6 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
         fault_plan=fault_plan,
         backend=args.backend,
         ray_options=ray_options,
+        layer_split=args.layer_split,
     ) as llm:
         startup_s = time.perf_counter() - t0
         if args.dataset == "sharegpt":
@@ -130,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
         "tp": args.tp,
         "pp": args.pp,
         "dtype": llm.dtype,
+        "layer_split": list(llm.layer_split),
         "backend": args.backend,
         "dataset": args.dataset,
         "num_prompts": len(specs),
