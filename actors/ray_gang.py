@@ -125,12 +125,11 @@ def _init_ray(ray: Any, options: RayOptions, ranks: RankMap) -> None:
             raise
         ray.init(include_dashboard=False)
     else:
-        if cpus > (os.cpu_count() or 1):
-            logger.info("started a local Ray with %d logical CPUs for %d ranks on %s cores", cpus, ranks.world_size, os.cpu_count())
+        logger.info("started a local Ray with %d logical CPUs for %d ranks on %s cores", cpus, ranks.world_size, os.cpu_count())
 
 
 def _scheduling_resources(resources: Mapping[str, float]) -> dict[str, float]:
-    """A resource dict without Ray's per-placement-group bookkeeping entries."""
+    """A resource dict for a message: without Ray's per-placement-group and per-node-address entries."""
     return {k: v for k, v in resources.items() if "_group_" not in k and not k.startswith("node:")}
 
 
@@ -393,15 +392,18 @@ class RayGang(BaseGang):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        # Each rank's slot: (placement group, bundle index).
         if options.spread_stages:
             stage_bundles = []
             for stage in range(ranks.pp_size):
                 per_rank = options.rank_resources(stage)
                 stage_bundles.append({k: v * ranks.tp_size for k, v in per_rank.items()})
             groups = [("STRICT_SPREAD", stage_bundles)]
+            slots = [(0, pp) for pp, _ in map(ranks.coords, range(ranks.world_size))]
         else:
             groups = [("STRICT_PACK", [options.rank_resources(stage)] * ranks.tp_size) for stage in range(ranks.pp_size)]
-        nodes = [_scheduling_resources(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
+            slots = [ranks.coords(rank) for rank in range(ranks.world_size)]
+        nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
         why = check_fits(nodes, groups)
         if why is not None:
             raise ActorStartupError(
@@ -410,15 +412,11 @@ class RayGang(BaseGang):
                 "Reserve less per rank (RayOptions.num_cpus), or add nodes",
                 rank=(0, 0),
             )
-        if options.spread_stages:
-            self._pgs = [placement_group(groups[0][1], strategy="STRICT_SPREAD", name=self._pg_name)]
-            where = [(self._pgs[0], divmod(rank, ranks.tp_size)[0]) for rank in range(ranks.world_size)]
-        else:
-            self._pgs = [
-                placement_group(bundles, strategy=strategy, name=f"{self._pg_name}-pp{stage}")
-                for stage, (strategy, bundles) in enumerate(groups)
-            ]
-            where = [(self._pgs[pp], tp) for pp, tp in map(ranks.coords, range(ranks.world_size))]
+        self._pgs = [
+            placement_group(bundles, strategy=strategy, name=f"{self._pg_name}-{index}")
+            for index, (strategy, bundles) in enumerate(groups)
+        ]
+        where = [(self._pgs[group], bundle) for group, bundle in slots]
         for index, pg in enumerate(self._pgs):
             left = max(0.1, deadline - time.monotonic())
             ready, _ = ray.wait([pg.ready()], timeout=left)

@@ -13,12 +13,15 @@ that cannot work, naming the rank that found the problem.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "LlamaArgs",
@@ -202,6 +205,7 @@ def resolve_dtype(name: Union[str, torch.dtype], args: LlamaArgs, device_type: s
     if name == "auto":
         dtype = _DTYPES.get(str(args.torch_dtype), torch.float32) if args.torch_dtype else torch.float32
         if dtype == torch.bfloat16 and device_type == "cpu" and not cpu_has_native_bf16():
+            logger.info("this CPU has no native bf16: dtype='auto' runs the bfloat16 checkpoint in float32")
             return torch.float32
         return dtype
     try:

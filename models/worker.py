@@ -99,8 +99,6 @@ class LlamaWorker:
             self.dtype = resolve_dtype(dtype, self.args, self.device.type)
         except ModelConfigError as exc:
             raise ModelConfigError(f"{self.where}: {exc}") from None
-        if dtype == "auto" and self.args.torch_dtype == "bfloat16" and self.dtype != torch.bfloat16:
-            logger.info("%s: this CPU has no native bf16; dtype='auto' runs the bfloat16 checkpoint in float32", self.where)
         self.layout = Layout(
             self.args,
             tp=ctx.tp,

@@ -91,9 +91,11 @@ def _assert_actors_dead(handles: list, pids: list[int]) -> None:
 
 LOCAL = textwrap.dedent(
     """
+    import logging
     from actors import Supervisor
 
     if __name__ == "__main__":
+        logging.basicConfig(level=logging.INFO)
         with Supervisor("tests.workers:EchoWorker", tp_size=2, pp_size=2, backend="ray", start_timeout=120) as sup:
             print(sup.collective_rpc("whoami"), flush=True)
     """
@@ -111,6 +113,8 @@ def test_with_no_cluster_a_local_ray_is_started_that_fits_the_gang(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]"
+    cpus = max(os.cpu_count() or 1, 4)
+    assert f"started a local Ray with {cpus} logical CPUs for 4 ranks" in done.stderr, "connected to some other Ray"
 
 
 def test_local_ray_size_and_placement_feasibility():
@@ -175,6 +179,13 @@ def test_stages_placed_on_the_nodes_asked_for(cluster, node_ids):
         # torch.distributed spans both nodes: its rendezvous is on rank 0's node (node_b).
         sup.collective_rpc("init_distributed", timeout=60)
         assert sup.submit("step", args=(5,)).result(timeout=30) == 7
+
+
+def test_stages_pinned_by_rays_own_node_address_resource(cluster):
+    # Every Ray node carries "node:<ip>"; the placement check must count it like any other resource.
+    on_ip = RayOptions(stage_resources=[{f"node:{ray.util.get_node_ip_address()}": 0.01}])
+    with Supervisor("tests.workers:EchoWorker", backend="ray", ray_options=on_ip, start_timeout=120) as sup:
+        assert sup.collective_rpc("whoami") == [(0, 0, 0)]
 
 
 def test_spread_stages_puts_each_stage_on_its_own_node(cluster):

@@ -89,8 +89,14 @@ def main() -> None:
     if args.backend == "ray":
         import ray
 
+        from actors import RayOptions
+        from actors.context import RankMap
+        from actors.ray_gang import local_ray_cpus
+
+        biggest = max(args.worlds)
+        cpus = local_ray_cpus(RayOptions(), RankMap(tp_size=LAYOUTS[biggest][0], pp_size=LAYOUTS[biggest][1]))
         t0 = time.perf_counter()
-        ray.init(num_cpus=max(LAYOUTS[w][0] * LAYOUTS[w][1] for w in args.worlds), include_dashboard=False)
+        ray.init(num_cpus=cpus, include_dashboard=False)  # the size the backend would give it
         print(json.dumps({"bench": "ray_init", "seconds": round(time.perf_counter() - t0, 3)}), flush=True)
     for world in args.worlds:
         for line in bench_world(world, args.calls, args.submits, args.backend):

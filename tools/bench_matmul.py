@@ -1,0 +1,54 @@
+"""One thread's matmul throughput per dtype: how far bf16 sits from float32 on this CPU.
+
+Prints one JSON line per dtype:
+  {"bench": "matmul", "dtype": D, "m": M, "k": K, "n": N, "gflops": ..., "native_bf16": bool}
+The shapes are the default model's MLP projection over a decode-sized batch
+(64 x 512 @ 512 x 1536). Median of --repeats timed runs, each of --iters matmuls.
+Run it alone on the machine: any other load changes the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from models.config import cpu_has_native_bf16
+
+
+def bench(dtype: torch.dtype, m: int, k: int, n: int, iters: int, repeats: int) -> float:
+    a = torch.randn(m, k).to(dtype)
+    b = torch.randn(k, n).to(dtype)
+    for _ in range(10):  # warm-up: oneDNN picks and caches its kernel
+        torch.mm(a, b)
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            torch.mm(a, b)
+        rates.append(2 * m * k * n * iters / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", type=int, nargs=3, default=[64, 512, 1536], metavar=("M", "K", "N"))
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    m, k, n = args.shape
+    native = cpu_has_native_bf16()
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        gflops = bench(dtype, m, k, n, args.iters, args.repeats)
+        line = {"bench": "matmul", "dtype": name, "m": m, "k": k, "n": n, "threads": args.threads,
+                "gflops": round(gflops, 1), "native_bf16": native}
+        print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()
