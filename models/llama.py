@@ -246,3 +246,14 @@ class LlamaStage(nn.Module):
         """Logits of the rows of hidden states `h` (last stage only)."""
         assert self.norm is not None and self.lm_head is not None, "only the last stage has the LM head"
         return self.lm_head(self.norm(h))
+
+    def greedy_tokens(self, h: torch.Tensor) -> Optional[torch.Tensor]:
+        """Argmax token ids [N] of the rows of `h` (last stage only); None on a tp rank that does not sample.
+
+        A vocabulary-parallel head reduces each shard first, so full logits never travel.
+        """
+        assert self.norm is not None and self.lm_head is not None, "only the last stage has the LM head"
+        argmax = getattr(self.lm_head, "argmax", None)
+        if argmax is not None:
+            return argmax(self.norm(h))
+        return self.lm_head(self.norm(h)).float().max(dim=-1).indices

@@ -11,7 +11,8 @@ the loader):
 - vocab-parallel embedding: each rank holds ceil(vocab / tp) rows (the last padded);
   ids outside the shard embed to zero and an all-reduce sums the shards.
 - vocab-parallel LM head: each rank computes logits for its rows; they are gathered
-  on tp rank 0, the only rank that samples, and the padding columns dropped.
+  on tp rank 0, the only rank that samples, and the padding columns dropped. When
+  every row of a step is greedy, each rank sends only its best (logit, id) per row.
 
 When tp_size > num_key_value_heads, each rank's k/v shard is the one kv head its
 query heads use (replicated on tp_size / num_key_value_heads ranks).
@@ -90,19 +91,39 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelLMHead(nn.Module):
-    """Logits for this rank's vocabulary rows, gathered to full-vocabulary logits on tp rank 0.
+    """Logits for this rank's vocabulary rows [start, stop), gathered to full-vocabulary logits on tp rank 0.
 
-    Other ranks get back their own shard, which they do not use.
+    Other ranks get back their own shard, which they do not use. `argmax` is the
+    greedy shortcut: only each rank's best (logit, id) per row travels.
     """
 
-    def __init__(self, dim: int, shard_rows: int, vocab_size: int, tp: TPGroup) -> None:
+    def __init__(self, dim: int, shard_rows: int, vocab_size: int, tp: TPGroup, start: int, stop: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(shard_rows, dim))
         self.vocab_size, self.tp = vocab_size, tp
+        self.start, self.stop = start, stop
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         logits = self.tp.gather_to_first(F.linear(h, self.weight))
         return logits[:, : self.vocab_size] if self.tp.rank == 0 else logits
+
+    def argmax(self, h: torch.Tensor) -> Optional[torch.Tensor]:
+        """Token ids [N] of the largest logit of each row of h on tp rank 0 (None elsewhere).
+
+        Ties and NaNs resolve as a full-vocabulary `max(dim=-1)` would: the first
+        index wins, so the lowest-ranked shard holding the best value.
+        """
+        # The padding rows of the last shard would give logit 0: leave them out.
+        local = F.linear(h, self.weight[: self.stop - self.start]).float()
+        values, index = local.max(dim=-1)
+        # float64 carries both the float32 logit and the token id exactly.
+        pairs = torch.stack((values.double(), (index + self.start).double()))  # [2, N]
+        gathered = self.tp.gather_to_first(pairs, dim=0)
+        if self.tp.rank != 0:
+            return None
+        per_rank = gathered.view(self.tp.size, 2, -1)
+        best = per_rank[:, 0].max(dim=0).indices  # [N]: which rank's candidate
+        return per_rank[:, 1].gather(0, best[None])[0].long()
 
 
 def _linear(weight_shape: tuple[int, int], like: nn.Linear) -> nn.Linear:
@@ -150,6 +171,6 @@ def shard_stage(stage: LlamaStage, layout: Layout, tp: TPGroup) -> dict[str, Sha
         stage.embed_tokens = VocabParallelEmbedding(rows, d, v_lo, v_hi, tp).to(ref.device, ref.dtype)
         specs["embed_tokens.weight"] = ShardSpec(0, v_lo, v_hi, full_vocab)
     if stage.lm_head is not None:
-        stage.lm_head = VocabParallelLMHead(d, rows, args.vocab_size, tp).to(ref.device, ref.dtype)
+        stage.lm_head = VocabParallelLMHead(d, rows, args.vocab_size, tp, v_lo, v_hi).to(ref.device, ref.dtype)
         specs["lm_head.weight"] = ShardSpec(0, v_lo, v_hi, full_vocab)
     return specs

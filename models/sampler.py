@@ -23,7 +23,7 @@ import torch
 
 from models.batch import SamplingOptions
 
-__all__ = ["mix_seed", "sample", "top_k_top_p_mask"]
+__all__ = ["is_greedy", "mix_seed", "sample", "top_k_top_p_mask"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -34,6 +34,11 @@ def mix_seed(seed: int, n: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def is_greedy(options: SamplingOptions) -> bool:
+    """True when the row's token is the argmax of its logits and no logprob is wanted (no full logits needed)."""
+    return (options.temperature <= 0 or options.top_k == 1) and not options.logprobs
 
 
 def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

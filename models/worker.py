@@ -37,7 +37,7 @@ from models.kv_cache import PagedKVCache
 from models.llama import LlamaStage
 from models.loader import load_stage
 from models.parallel import TPGroup
-from models.sampler import sample
+from models.sampler import is_greedy, sample
 from models.shm_allreduce import ShmAllReduce
 from models.step import StepInputs, prepare_step
 
@@ -128,6 +128,8 @@ class LlamaWorker:
         self._steps = 0
         self._tokens = 0
         self._execute_seconds = 0.0
+        self._recv_seconds = 0.0  # of execute_seconds: waiting for the previous stage's hidden states
+        self._send_wait_seconds = 0.0  # of execute_seconds: waiting for the next stage to take a send
 
     # ----- setup -----
 
@@ -226,18 +228,24 @@ class LlamaWorker:
         """Runs one step; the output rank returns the sampled tokens, every other rank None."""
         start = time.perf_counter()
         with torch.inference_mode():
-            step, logits = self._forward(batch)
+            step, rows = self._forward(batch)
+            chunks = step.sample_chunks
+            tokens: list[int] = []
+            logprobs = None
+            if rows is not None:
+                options = [c.sampling for c in chunks]
+                # Every rank of the last stage sees the same batch, so all take the same branch
+                # (both are collectives over the tp group).
+                if self.ctx.tp_size > 1 and all(is_greedy(o) for o in options):
+                    ids = self.stage.greedy_tokens(rows)
+                    if ids is not None:
+                        tokens = ids.tolist()
+                else:
+                    logits = self.stage.compute_logits(rows)
+                    if self.ctx.is_output_rank:
+                        tokens, logprobs = sample(logits, options, [c.num_generated for c in chunks], self.generator)
             output = None
             if self.ctx.is_output_rank:
-                chunks = step.sample_chunks
-                tokens, logprobs = [], None
-                if chunks:
-                    tokens, logprobs = sample(
-                        logits,
-                        [c.sampling for c in chunks],
-                        [c.num_generated for c in chunks],
-                        self.generator,
-                    )
                 output = ModelOutput(batch.batch_id, [c.seq_id for c in chunks], tokens, logprobs)
         self._execute_seconds += time.perf_counter() - start
         return output
@@ -248,10 +256,14 @@ class LlamaWorker:
         Other ranks return None. For tests and tools; it writes the KV cache as execute_model does.
         """
         with torch.inference_mode():
-            _, logits = self._forward(batch)
-        return logits
+            _, rows = self._forward(batch)
+            if rows is None:
+                return None
+            logits = self.stage.compute_logits(rows)
+        return logits.float() if self.ctx.is_output_rank else None
 
     def _forward(self, batch: ModelBatch) -> tuple[StepInputs, Optional[torch.Tensor]]:
+        """Runs this stage's layers; returns the step and, on the last stage, the hidden rows to sample (None if none)."""
         stage, cache, ctx = self.stage, self.cache, self.ctx
         if stage is None or cache is None:
             raise RuntimeError(f"{self.where}: call load_model() before execute_model()")
@@ -271,23 +283,27 @@ class LlamaWorker:
             x = step.token_ids
         else:
             x = torch.empty(step.num_tokens, self.args.hidden_size, dtype=self.dtype, device=self.device)
+            waited = time.perf_counter()
             dist.recv(x, src=ctx.global_rank - ctx.tp_size)
+            self._recv_seconds += time.perf_counter() - waited
         h = stage(x, step, cache)
         if not ctx.is_last_stage:
             self._send_next(h)
             return step, None
         if step.sample_rows.numel() == 0:
             return step, None
-        logits = stage.compute_logits(h[step.sample_rows])
-        return step, logits.float() if ctx.is_output_rank else None
+        return step, h[step.sample_rows]
 
     def _send_next(self, h: torch.Tensor) -> None:
         pending = self._pending_sends
         while pending and pending[0][0].is_completed():
             pending.popleft()
         # Bound what is in flight; the next stage takes batches in order, so the oldest finishes first.
-        while len(pending) >= self.ctx.pp_size:
-            pending.popleft()[0].wait()
+        if len(pending) >= self.ctx.pp_size:
+            waited = time.perf_counter()
+            while len(pending) >= self.ctx.pp_size:
+                pending.popleft()[0].wait()
+            self._send_wait_seconds += time.perf_counter() - waited
         h = h.contiguous()
         pending.append((dist.isend(h, dst=self.ctx.global_rank + self.ctx.tp_size), h))
 
@@ -321,6 +337,8 @@ class LlamaWorker:
             "steps": self._steps,
             "tokens": self._tokens,
             "execute_seconds": self._execute_seconds,
+            "recv_seconds": self._recv_seconds,
+            "send_wait_seconds": self._send_wait_seconds,
             "load_seconds": self.load_seconds,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),

@@ -152,6 +152,10 @@ class TestLayout:
         if case.layer_split:
             assert [b - a for a, b in layers] == list(case.layer_split)
         assert all(s["peak_rss_bytes"] > 0 and s["num_params"] > 0 for s in stats)
+        # Pipeline waits: a first stage never receives; a later one has waited for its inputs.
+        for s in stats:
+            assert s["send_wait_seconds"] >= 0 and s["execute_seconds"] > 0
+            assert (s["recv_seconds"] == 0) if s["first_stage"] else (s["recv_seconds"] > 0)
         health = sup.collective_rpc("check_health")
         assert all(h["loaded"] and h["distributed"] for h in health)
 
@@ -185,3 +189,43 @@ def test_wrong_shape_on_one_stage_fails_load_naming_that_rank(checkpoints, tmp_p
     assert err.rank == (1, 0)
     assert f"'{name}'" in str(err) and "has shape [64, 50], expected [64, 101]" in str(err)
     assert "rank (pp=1, tp=0)" in str(err)
+
+
+class _FakeTP:
+    """Two tp ranks in one process: rank 0's gather concatenates what rank 1 gave."""
+
+    def __init__(self, rank: int, sent: list) -> None:
+        self.rank, self.size, self.sent = rank, 2, sent
+
+    def gather_to_first(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.rank == 1:
+            self.sent.append(x)
+            return x
+        return torch.cat([x, self.sent.pop()], dim=dim)
+
+
+def test_shard_argmax_is_the_full_vocabulary_argmax():
+    from models.parallel import VocabParallelLMHead
+
+    vocab, dim, rows = 9, 4, 5  # the second shard holds ids 5..8 plus one zero padding row
+    full = torch.randn(vocab, dim, generator=torch.Generator().manual_seed(0))
+    h = torch.randn(6, dim, generator=torch.Generator().manual_seed(1))
+    full[:] = -full.abs()  # every real logit of a positive row is negative: a padding logit (0) would win
+    h[:3] = h[:3].abs()
+    full[2] = full[7] = torch.tensor([-5.0, 0.0, 0.0, 0.0])  # ids 2 and 7 tie for row 3: the first must win
+    h[3] = torch.tensor([-1.0, 0.0, 0.0, 0.0])
+    sent: list = []
+    heads = []
+    for rank, (lo, hi) in enumerate([(0, 5), (5, 9)]):
+        head = VocabParallelLMHead(dim, rows, vocab, _FakeTP(rank, sent), lo, hi)
+        with torch.no_grad():
+            head.weight.zero_()
+            head.weight[: hi - lo] = full[lo:hi]
+        heads.append(head)
+    expected = (h @ full.T).max(dim=-1).indices
+    assert expected[3] == 2 and (h[3] @ full.T)[7] == (h[3] @ full.T)[2]
+    assert ((h[:3] @ full.T) < 0).all()
+    with torch.no_grad():
+        assert heads[1].argmax(h) is None
+        got = heads[0].argmax(h)
+    assert got.tolist() == expected.tolist()

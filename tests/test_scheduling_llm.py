@@ -119,6 +119,21 @@ class TestLayout:
         assert outputs[5].token_ids == hf[0, len(prompt) :].tolist()
 
 
+    def test_greedy_rows_next_to_sampled_rows_match_transformers(self, llm, reference):
+        # Under tp a step of greedy rows only takes the shard-argmax path, one with any
+        # sampled or logprob row gathers full logits: both run here, step after step.
+        _, expected, _ = reference
+        greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+        greedy_logprobs = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)
+        sampled = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=5, ignore_eos=True)
+        params = [greedy, sampled, greedy_logprobs, greedy, sampled, greedy, greedy, greedy]
+        outputs = llm.generate(MANY_PROMPTS, params)
+        for i, (out, p) in enumerate(zip(outputs, params)):
+            if p is not sampled:
+                assert out.token_ids == expected[i], f"prompt {i}"
+        assert len(outputs[2].logprobs) == NEW_TOKENS and max(outputs[2].logprobs) <= 0
+        assert [o.token_ids for o in llm.generate(MANY_PROMPTS[:2], greedy)] == expected[:2]
+
     def test_seeded_sampling_is_the_same_with_and_without_preemption(self, llm):
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=11, ignore_eos=True, logprobs=True)
         together = llm.generate(MANY_PROMPTS, params)

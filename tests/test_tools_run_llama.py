@@ -18,5 +18,5 @@ def test_the_main_job_reports_its_layout_and_tokens(capsys):
 
 
 def test_a_layer_split_that_does_not_add_up_names_the_rank():
-    with pytest.raises(ActorStartupError, match=r"rank \(pp=0, tp=0\): layer_split=\[4, 3\] must .* summing to num_hidden_layers=8"):
+    with pytest.raises(ActorStartupError, match=r"rank \(pp=[01], tp=0\): layer_split=\[4, 3\] must .* summing to num_hidden_layers=8"):
         run_llama.main(["--pp", "2", "--layer-split", "4", "3", *SMALL])

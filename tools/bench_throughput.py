@@ -11,6 +11,10 @@ Usage:
     python tools/bench_throughput.py                     # every configuration
     python tools/bench_throughput.py --configs tp2 pp2   # some of them
     python tools/bench_throughput.py --plot bench.png    # also draw a bar chart (matplotlib)
+    python tools/bench_throughput.py --dtype float32     # on a CPU without native bf16
+
+Engine options (--max-num-batched-tokens, --layer-split) apply to every engine
+configuration; the baseline ignores them.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ def _workload(vocab_size: int):
     return prompt_sets.random_prompts(NUM_PROMPTS + WARMUP, INPUT_LEN, OUTPUT_LEN, vocab_size, seed=0)
 
 
-def _result(name: str, options: dict, elapsed: float, startup: float, rss_mb: float, extra: dict) -> dict:
+def _result(name: str, options: dict, dtype: str, elapsed: float, startup: float, rss_mb: float, extra: dict) -> dict:
     out_tokens = NUM_PROMPTS * OUTPUT_LEN
     return {
         "config": name,
@@ -54,7 +58,7 @@ def _result(name: str, options: dict, elapsed: float, startup: float, rss_mb: fl
         "num_prompts": NUM_PROMPTS,
         "input_len": INPUT_LEN,
         "output_len": OUTPUT_LEN,
-        "dtype": "bfloat16",
+        "dtype": dtype,
         "elapsed_s": round(elapsed, 3),
         "requests_per_s": round(NUM_PROMPTS / elapsed, 2),
         "output_tokens_per_s": round(out_tokens / elapsed, 1),
@@ -65,27 +69,33 @@ def _result(name: str, options: dict, elapsed: float, startup: float, rss_mb: fl
     }
 
 
-def run_engine(name: str) -> dict:
+def run_engine(name: str, dtype: str, engine_options: dict) -> dict:
     from scheduling import LLM, SamplingParams
 
-    options = CONFIGS[name]
+    options = {**CONFIGS[name], **engine_options}
     t0 = time.perf_counter()
-    with LLM(model=None, dtype="bfloat16", **options) as llm:
+    with LLM(model=None, dtype=dtype, **options) as llm:
         startup = time.perf_counter() - t0
         specs = _workload(llm.args.vocab_size)
         params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
         llm.generate([s.prompt_token_ids for s in specs[:WARMUP]], params)
+        before = llm.supervisor.collective_rpc("get_stats")
         t1 = time.perf_counter()
         outputs = llm.generate([s.prompt_token_ids for s in specs[WARMUP:]], params)
         elapsed = time.perf_counter() - t1
         assert all(len(o.token_ids) == OUTPUT_LEN for o in outputs)
         stats = llm.supervisor.collective_rpc("get_stats")
+        options["layer_split"] = list(llm.layer_split)
     rank_rss = [round(s["peak_rss_bytes"] / 2**20, 1) for s in stats]
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return _result(name, options, elapsed, startup, max(rank_rss), {"rss_per_rank_mb": rank_rss, "driver_rss_mb": round(own, 1)})
+    # Per rank, over the timed run: seconds inside steps, and of those, waiting for the previous stage.
+    busy = [round(b["execute_seconds"] - a["execute_seconds"], 3) for a, b in zip(before, stats)]
+    recv = [round(b["recv_seconds"] - a["recv_seconds"], 3) for a, b in zip(before, stats)]
+    extra = {"rss_per_rank_mb": rank_rss, "driver_rss_mb": round(own, 1), "stage_busy_s": busy, "stage_recv_s": recv}
+    return _result(name, options, dtype, elapsed, startup, max(rank_rss), extra)
 
 
-def run_hf_baseline(name: str) -> dict:
+def run_hf_baseline(name: str, dtype: str) -> dict:
     import torch
     from transformers import LlamaForCausalLM
 
@@ -93,7 +103,7 @@ def run_hf_baseline(name: str) -> dict:
 
     torch.set_num_threads(2)
     t0 = time.perf_counter()
-    model = LlamaForCausalLM.from_pretrained(default_model_dir(), dtype=torch.bfloat16).eval()
+    model = LlamaForCausalLM.from_pretrained(default_model_dir(), dtype=getattr(torch, dtype)).eval()
     startup = time.perf_counter() - t0
     specs = _workload(model.config.vocab_size)
     ids = torch.tensor([s.prompt_token_ids for s in specs])
@@ -105,7 +115,7 @@ def run_hf_baseline(name: str) -> dict:
         elapsed = time.perf_counter() - t1
     assert out.shape[1] == INPUT_LEN + OUTPUT_LEN
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return _result(name, {"tp": 1, "pp": 1, "num_threads": 2, "processes": 1}, elapsed, startup, rss, {})
+    return _result(name, {"tp": 1, "pp": 1, "num_threads": 2, "processes": 1}, dtype, elapsed, startup, rss, {})
 
 
 def plot(lines: list[dict], path: str) -> None:
@@ -120,26 +130,50 @@ def plot(lines: list[dict], path: str) -> None:
     bars = ax.bar(names, values, color=["#888" if n == "hf_baseline" else "#3a7" for n in names])
     ax.bar_label(bars, fmt="%.0f")
     ax.set_ylabel("output tokens/s")
-    ax.set_title(f"{NUM_PROMPTS} prompts x {INPUT_LEN} in, {OUTPUT_LEN} out, bf16, default 56M model, 2 cores")
+    ax.set_title(f"{NUM_PROMPTS} prompts x {INPUT_LEN} in, {OUTPUT_LEN} out, {lines[0]['dtype']}, default 56M model, 2 cores")
     plt.xticks(rotation=20)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _forwarded(args: argparse.Namespace) -> list[str]:
+    out = ["--dtype", args.dtype]
+    if args.max_num_batched_tokens:
+        out += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.layer_split:
+        out += ["--layer-split", *map(str, args.layer_split)]
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--plot", metavar="FILE", help="write a bar chart of output tokens/s")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="the issue's workload is bfloat16; float32 where the CPU has no native bf16")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="the engine's token budget per batch")
+    parser.add_argument("--layer-split", type=int, nargs="+", metavar="N", help="decoder layers per stage (pp > 1)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration here
     args = parser.parse_args()
+    engine_options: dict = {}
+    if args.max_num_batched_tokens:
+        engine_options["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.one:
-        line = run_hf_baseline(args.one) if args.one == "hf_baseline" else run_engine(args.one)
+        if args.layer_split and CONFIGS.get(args.one, {}).get("pp", 1) > 1:
+            engine_options["layer_split"] = args.layer_split
+        if args.one == "hf_baseline":
+            line = run_hf_baseline(args.one, args.dtype)
+        else:
+            line = run_engine(args.one, args.dtype, engine_options)
         print(json.dumps(line), flush=True)
         return
     lines = []
     for name in args.configs:
         proc = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--one", name], capture_output=True, text=True, timeout=900
+            [sys.executable, os.path.abspath(__file__), "--one", name, *_forwarded(args)],
+            capture_output=True,
+            text=True,
+            timeout=900,
         )
         if proc.returncode != 0:
             sys.stderr.write(proc.stderr)
