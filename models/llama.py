@@ -253,7 +253,9 @@ class LlamaStage(nn.Module):
         A vocabulary-parallel head reduces each shard first, so full logits never travel.
         """
         assert self.norm is not None and self.lm_head is not None, "only the last stage has the LM head"
-        argmax = getattr(self.lm_head, "argmax", None)
+        h = self.norm(h)
+        argmax = getattr(self.lm_head, "argmax", None)  # a VocabParallelLMHead's
         if argmax is not None:
-            return argmax(self.norm(h))
-        return self.lm_head(self.norm(h)).float().max(dim=-1).indices
+            return argmax(h)
+        # max(dim).indices is the sampler's argmax (first index on ties).
+        return self.lm_head(h).float().max(dim=-1).indices

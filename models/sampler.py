@@ -38,7 +38,12 @@ def mix_seed(seed: int, n: int) -> int:
 
 def is_greedy(options: SamplingOptions) -> bool:
     """True when the row's token is the argmax of its logits and no logprob is wanted (no full logits needed)."""
-    return (options.temperature <= 0 or options.top_k == 1) and not options.logprobs
+    return not _draws(options) and not options.logprobs
+
+
+def _draws(options: SamplingOptions) -> bool:
+    # temperature 0 or top_k 1 leave only the argmax.
+    return options.temperature > 0 and options.top_k != 1
 
 
 def top_k_top_p_mask(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -68,7 +73,7 @@ def sample(
     # max(dim).indices is argmax (first index on ties, NaN wins) at a third of its cost
     # here: 0.5 ms against 1.5 ms for [32, 32000] on one core.
     tokens = logits.max(dim=-1).indices
-    random_rows = [i for i, o in enumerate(options) if o.temperature > 0 and o.top_k != 1]
+    random_rows = [i for i, o in enumerate(options) if _draws(o)]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
         picked = [options[i] for i in random_rows]

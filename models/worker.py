@@ -236,7 +236,7 @@ class LlamaWorker:
                 options = [c.sampling for c in chunks]
                 # Every rank of the last stage sees the same batch, so all take the same branch
                 # (both are collectives over the tp group).
-                if self.ctx.tp_size > 1 and all(is_greedy(o) for o in options):
+                if all(is_greedy(o) for o in options):
                     ids = self.stage.greedy_tokens(rows)
                     if ids is not None:
                         tokens = ids.tolist()
