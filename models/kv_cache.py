@@ -12,9 +12,14 @@ here), and a masked-out slot never holds a NaN that 0 * NaN would spread.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
+
+from models.kv_mirror import KVMirror
+
+if TYPE_CHECKING:
+    from models.step import DecodeGroup, StepInputs
 
 __all__ = ["LayerKV", "PagedKVCache"]
 
@@ -41,10 +46,14 @@ class _Workspace:
 class LayerKV:
     """The key and value blocks of one layer."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, workspace: _Workspace) -> None:
+    def __init__(
+        self, k: torch.Tensor, v: torch.Tensor, workspace: _Workspace, mirror: Optional[KVMirror] = None, index: int = 0
+    ) -> None:
         self.k = k
         self.v = v
         self.workspace = workspace
+        self.mirror = mirror
+        self.index = index  # this layer's place in the cache (and the mirror)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Stores k, v [T, kv_heads, head_dim] at flat slots [T]."""
@@ -64,6 +73,20 @@ class LayerKV:
         torch.index_select(self.v, 0, flat, out=v)
         return k.view(b, nb * block_size, heads, dim), v.view(b, nb * block_size, heads, dim)
 
+    def decode_kv(
+        self, decode: "DecodeGroup", k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [rows, L, kv_heads, head_dim] a decode group attends (call after `write`).
+
+        k, v [B, kv_heads, head_dim] are the group's new keys and values. With a mirror
+        plan (see models/kv_mirror.py) the rows are the plan's (`decode.mirror.rows`
+        says where each sequence sits); otherwise row i is sequence i, gathered now.
+        """
+        plan = decode.mirror
+        if plan is not None and self.mirror is not None:
+            return self.mirror.layer_kv(plan, self.index, self.k, self.v, k, v)
+        return self.gather(decode.block_tables)
+
 
 class PagedKVCache:
     """Key and value blocks for a contiguous range of layers, allocated once within a byte budget."""
@@ -77,6 +100,8 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        mirror_bytes: int = 0,
+        mirror_entries: int = 1,
     ) -> None:
         self.layer_ids = list(layers)
         self.num_blocks = num_blocks
@@ -84,8 +109,14 @@ class PagedKVCache:
         shape = (len(self.layer_ids), 2, num_blocks, block_size, num_kv_heads, head_dim)
         self.storage = torch.zeros(shape, dtype=dtype, device=device)
         workspace = _Workspace(self.storage[0, 0])
+        # Decode steps attend a dense copy kept across steps instead of gathering blocks.
+        self.mirror: Optional[KVMirror] = (
+            KVMirror(len(self.layer_ids), num_kv_heads, head_dim, block_size, dtype, device, mirror_bytes, mirror_entries)
+            if mirror_bytes > 0
+            else None
+        )
         self._layers = {
-            layer: LayerKV(self.storage[i, 0], self.storage[i, 1], workspace)
+            layer: LayerKV(self.storage[i, 0], self.storage[i, 1], workspace, self.mirror, i)
             for i, layer in enumerate(self.layer_ids)
         }
 
@@ -103,3 +134,19 @@ class PagedKVCache:
 
     def layer(self, layer_id: int) -> LayerKV:
         return self._layers[layer_id]
+
+    def begin_step(self, step: "StepInputs") -> None:
+        """Plans the step's use of the mirror (once per step, before the first layer)."""
+        mirror = self.mirror
+        if mirror is None:
+            return
+        if step.prefill_seq_ids:
+            mirror.invalidate(step.prefill_seq_ids)
+        dec = step.decode
+        if dec is not None and dec.seq_ids:
+            dec.mirror = mirror.plan(dec.seq_ids, dec.positions, dec.tables, dec.key_mask)
+
+    def end_step(self, step: "StepInputs") -> None:
+        """Records what the step wrote into the mirror (after the last layer ran)."""
+        if self.mirror is not None and step.decode is not None and step.decode.mirror is not None:
+            self.mirror.commit(step.decode.mirror)

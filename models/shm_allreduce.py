@@ -68,6 +68,8 @@ class ShmAllReduce:
             for r in range(size)
         ]
         self._seq = 0
+        self.seconds = 0.0  # inside all_reduce, in total
+        self.wait_seconds = 0.0  # of those, waiting for a peer to post its part
         self.path = ""  # the name the file had before it was unlinked
 
     @staticmethod
@@ -120,9 +122,16 @@ class ShmAllReduce:
         """Sums x over the ranks in place (every rank calls it with the same shape and dtype); returns x."""
         if self.size == 1:
             return x
+        start = time.perf_counter()
+        try:
+            return self._all_reduce(x)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_contiguous():
             flat = x.contiguous()
-            self.all_reduce(flat)
+            self._all_reduce(flat)
             return x.copy_(flat)
         flat = x.view(-1)
         per = self.capacity // x.element_size()
@@ -147,7 +156,14 @@ class ShmAllReduce:
         counters, peers = self._counters, self._peers
         if all(counters[i] >= seq for i in peers):
             return
-        now = time.perf_counter()
+        now = started = time.perf_counter()
+        try:
+            self._wait_until(seq, now)
+        finally:
+            self.wait_seconds += time.perf_counter() - started
+
+    def _wait_until(self, seq: int, now: float) -> None:
+        counters, peers = self._counters, self._peers
         spin_end, yield_end, deadline = now + self.spin_s, now + self.spin_s + _YIELD_S, now + self.timeout_s
         while True:
             if all(counters[i] >= seq for i in peers):

@@ -14,11 +14,14 @@ communication starts (no rank is left waiting in a collective).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from models.batch import ModelBatch, SequenceChunk
+
+if TYPE_CHECKING:
+    from models.kv_mirror import MirrorPlan
 
 __all__ = ["BatchError", "DecodeGroup", "PrefillChunk", "StepInputs", "prepare_step"]
 
@@ -35,6 +38,11 @@ class DecodeGroup:
     block_tables: torch.Tensor
     # [B, 1, 1, nb * block_size]: True where the key position holds this sequence's context.
     key_mask: torch.Tensor
+    seq_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # the position each sequence writes
+    tables: list[list[int]] = field(default_factory=list)  # unpadded block tables
+    # Set by PagedKVCache.begin_step when the rank keeps a dense mirror of these rows.
+    mirror: Optional["MirrorPlan"] = None
 
 
 @dataclass
@@ -63,6 +71,7 @@ class StepInputs:
     prefills: list[PrefillChunk]
     sample_rows: torch.Tensor  # [N] long: the last row of each chunk with `sample` set
     sample_chunks: list[SequenceChunk] = field(default_factory=list)
+    prefill_seq_ids: list[int] = field(default_factory=list)  # sequences with a multi-token chunk
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +95,7 @@ def prepare_step(
     decode_rows: list[int] = []
     decode_tables: list[list[int]] = []
     decode_lens: list[int] = []
+    decode_seqs: list[int] = []
     prefills: list[PrefillChunk] = []
     sample_rows: list[int] = []
     sample_chunks: list[SequenceChunk] = []
@@ -119,6 +129,7 @@ def prepare_step(
             decode_rows.append(row)
             decode_tables.append(table)
             decode_lens.append(end)
+            decode_seqs.append(chunk.seq_id)
         elif chunk.start_pos == 0:
             prefills.append(PrefillChunk(row, row + n, 0))
         else:
@@ -148,6 +159,9 @@ def prepare_step(
             rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
             block_tables=tables.to(device),
             key_mask=key_mask[:, None, None, :].to(device),
+            seq_ids=decode_seqs,
+            positions=[n - 1 for n in decode_lens],
+            tables=decode_tables,
         )
 
     def long(values: list[int]) -> torch.Tensor:
@@ -162,4 +176,5 @@ def prepare_step(
         prefills=prefills,
         sample_rows=long(sample_rows),
         sample_chunks=sample_chunks,
+        prefill_seq_ids=[c.seq_id for c in batch.chunks if len(c.token_ids) > 1],
     )

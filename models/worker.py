@@ -72,6 +72,9 @@ class LlamaWorker:
         device: "cpu", "cuda:0", ...; default the rank's GPU when CUDA is available, else CPU.
         shm_allreduce: on CPU, all-reduce tp partial sums through shared memory when every
             rank of the tp group can map it (one host); False keeps gloo.
+        kv_mirror_bytes: most bytes of the dense decode copy of keys and values kept across
+            steps (models/kv_mirror.py), which spares decode steps gathering every sequence's
+            blocks; default kv_cache_bytes on CPU, 0 (off) on GPU.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class LlamaWorker:
         dist_timeout_s: float = 600.0,
         device: Optional[str] = None,
         shm_allreduce: bool = True,
+        kv_mirror_bytes: Optional[int] = None,
     ) -> None:
         self.ctx = ctx
         self.where = f"rank (pp={ctx.pp}, tp={ctx.tp})"
@@ -111,6 +115,11 @@ class LlamaWorker:
         if block_size < 1 or kv_cache_bytes < 1:
             raise ModelConfigError(f"{self.where}: block_size and kv_cache_bytes must be >= 1")
         self.kv_cache_bytes = int(kv_cache_bytes)
+        if kv_mirror_bytes is None:
+            kv_mirror_bytes = self.kv_cache_bytes if self.device.type == "cpu" else 0
+        if kv_mirror_bytes < 0:
+            raise ModelConfigError(f"{self.where}: kv_mirror_bytes must be >= 0, got {kv_mirror_bytes}")
+        self.kv_mirror_bytes = int(kv_mirror_bytes)
         self.block_size = int(block_size)
         self.dist_timeout_s = dist_timeout_s
         self.shm_allreduce = shm_allreduce
@@ -182,6 +191,8 @@ class LlamaWorker:
             args.head_dim,
             self.dtype,
             self.device,
+            mirror_bytes=self.kv_mirror_bytes,
+            mirror_entries=self.ctx.pp_size,  # one per batch group in flight
         )
         self.load_seconds = time.perf_counter() - start
         logger.info(
@@ -323,6 +334,8 @@ class LlamaWorker:
         with open("/proc/self/statm") as f:
             rss_pages = int(f.read().split()[1])
         layers = self.layout.layers
+        shm = self.tp_group.shm
+        mirror = self.cache.mirror if self.cache is not None else None
         return {
             "rank": self.ctx.rank,
             "pid": os.getpid(),
@@ -339,7 +352,13 @@ class LlamaWorker:
             "execute_seconds": self._execute_seconds,
             "recv_seconds": self._recv_seconds,
             "send_wait_seconds": self._send_wait_seconds,
+            # Shared-memory tp all-reduces (0 without them): all of it, and waiting for a peer.
+            "allreduce_seconds": shm.seconds if shm is not None else 0.0,
+            "allreduce_wait_seconds": shm.wait_seconds if shm is not None else 0.0,
             "load_seconds": self.load_seconds,
+            "kv_mirror_bytes": mirror.nbytes if mirror is not None else 0,
+            "kv_mirror_refilled_rows": mirror.refilled_rows if mirror is not None else 0,
+            "kv_mirror_fallbacks": mirror.fallbacks if mirror is not None else 0,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
             "num_threads": self.num_threads,

@@ -73,6 +73,9 @@ class LLM:
         dtype: "auto" (the checkpoint's), "float32", "bfloat16" or "float16".
         kv_cache_bytes: KV cache budget of each rank.
         block_size: token positions per KV block.
+        kv_mirror_bytes: per rank, the most bytes of the dense decode copy of keys and values
+            kept across steps (models/kv_mirror.py); default kv_cache_bytes on CPU (so KV
+            memory at most doubles), 0 on GPU; 0 turns it off.
         max_num_seqs, max_num_batched_tokens: the most sequences / tokens in one batch.
         max_model_len: most tokens (prompt plus output) per request; default the
             smaller of the model's max_position_embeddings and what the cache holds.
@@ -102,6 +105,7 @@ class LLM:
         *,
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         block_size: int = 16,
+        kv_mirror_bytes: Optional[int] = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
         max_model_len: Optional[int] = None,
@@ -141,6 +145,8 @@ class LLM:
         worker_kwargs: dict[str, Any] = dict(
             model=self.model, dtype=dtype, kv_cache_bytes=int(kv_cache_bytes), block_size=int(block_size)
         )
+        if kv_mirror_bytes is not None:
+            worker_kwargs["kv_mirror_bytes"] = int(kv_mirror_bytes)
         if num_threads is not None:
             worker_kwargs["num_threads"] = int(num_threads)
         if layer_split is not None:

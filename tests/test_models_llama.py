@@ -252,6 +252,11 @@ def test_kv_budget_below_one_block_is_rejected(checkpoints):
         worker.load_model()
 
 
+def test_a_negative_mirror_budget_is_rejected(checkpoints):
+    with pytest.raises(ModelConfigError, match=r"rank \(pp=0, tp=0\): kv_mirror_bytes must be >= 0, got -1"):
+        LlamaWorker(single_rank(), model=checkpoints["single"], kv_mirror_bytes=-1)
+
+
 def test_block_table_too_short_is_a_batch_error(workers):
     batch = ModelBatch(3, [SequenceChunk(5, list(range(1, 12)), 0, [0])])
     with pytest.raises(BatchError, match=r"rank \(pp=0, tp=0\): batch 3, seq 5: block_table has 1 blocks"):

@@ -66,6 +66,7 @@ def llm(request, reference):
         pp=pp,
         kv_cache_bytes=kv_bytes_for(NUM_BLOCKS, tp, pp),
         block_size=BLOCK,
+        kv_mirror_bytes=2**22,  # the decode mirror on (its default budget, the tiny cache's, could not hold a batch)
         max_num_seqs=3,
         start_timeout=120.0,
         step_timeout=120.0,
@@ -90,6 +91,20 @@ class TestLayout:
         assert llm.engine.peak_in_flight == llm.supervisor.pp_size
         assert llm.scheduler.block_manager.num_free_blocks == NUM_BLOCKS
 
+
+    def test_decode_rows_mirrored_across_steps_match_transformers(self, llm, reference):
+        # Requests ending at different steps leave padding rows in the decode mirror
+        # that newcomers take over; every rank's mirror must still give exact attention.
+        _, expected, _ = reference
+        before = llm.supervisor.collective_rpc("get_stats")
+        lengths = [1 + i % NEW_TOKENS for i in range(len(MANY_PROMPTS))][::-1]
+        outputs = llm.generate(MANY_PROMPTS, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
+        assert [o.token_ids for o in outputs] == [ref[:n] for ref, n in zip(expected, lengths)]
+        after = llm.supervisor.collective_rpc("get_stats")
+        for a, b in zip(before, after):
+            assert b["kv_mirror_bytes"] > 0, b["rank"]
+            assert b["kv_mirror_fallbacks"] == a["kv_mirror_fallbacks"], b["rank"]
+            assert b["kv_mirror_refilled_rows"] > a["kv_mirror_refilled_rows"], b["rank"]
 
     def test_stop_tokens_and_max_tokens_are_honoured(self, llm, reference):
         _, expected, _ = reference

@@ -91,7 +91,14 @@ def run_engine(name: str, dtype: str, engine_options: dict) -> dict:
     # Per rank, over the timed run: seconds inside steps, and of those, waiting for the previous stage.
     busy = [round(b["execute_seconds"] - a["execute_seconds"], 3) for a, b in zip(before, stats)]
     recv = [round(b["recv_seconds"] - a["recv_seconds"], 3) for a, b in zip(before, stats)]
-    extra = {"rss_per_rank_mb": rank_rss, "driver_rss_mb": round(own, 1), "stage_busy_s": busy, "stage_recv_s": recv}
+    mirror = [round(s["kv_mirror_bytes"] / 2**20, 1) for s in stats]
+    extra = {
+        "rss_per_rank_mb": rank_rss,
+        "driver_rss_mb": round(own, 1),
+        "stage_busy_s": busy,
+        "stage_recv_s": recv,
+        "kv_mirror_mb": mirror,
+    }
     return _result(name, options, dtype, elapsed, startup, max(rank_rss), extra)
 
 
@@ -142,6 +149,8 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
         out += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.layer_split:
         out += ["--layer-split", *map(str, args.layer_split)]
+    if args.kv_mirror_mb is not None:
+        out += ["--kv-mirror-mb", str(args.kv_mirror_mb)]
     return out
 
 
@@ -153,11 +162,14 @@ def main() -> None:
                         help="the issue's workload is bfloat16; float32 where the CPU has no native bf16")
     parser.add_argument("--max-num-batched-tokens", type=int, help="the engine's token budget per batch")
     parser.add_argument("--layer-split", type=int, nargs="+", metavar="N", help="decoder layers per stage (pp > 1)")
+    parser.add_argument("--kv-mirror-mb", type=int, help="per rank, MiB of the dense decode KV copy (0: off; default the engine's)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration here
     args = parser.parse_args()
     engine_options: dict = {}
     if args.max_num_batched_tokens:
         engine_options["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.kv_mirror_mb is not None:
+        engine_options["kv_mirror_bytes"] = args.kv_mirror_mb * 2**20
     if args.one:
         if args.layer_split and CONFIGS.get(args.one, {}).get("pp", 1) > 1:
             engine_options["layer_split"] = args.layer_split

@@ -43,6 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ignore-eos", action="store_true", help="always generate the full output length")
     parser.add_argument("--seed", type=int, default=0, help="prompt sampling and per-request sampling seed")
     parser.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache budget per rank, MiB")
+    parser.add_argument(
+        "--kv-mirror-mb",
+        type=int,
+        default=None,
+        help="per rank, MiB for the dense decode copy of keys/values kept across steps (default: --kv-cache-mb on CPU; 0: off)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--show", type=int, default=2, help="print this many generations")
     parser.add_argument("--policy", default="fail", choices=["fail", "restart"], help="supervision policy")
@@ -95,6 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
         pp=args.pp,
         dtype=args.dtype,
         kv_cache_bytes=args.kv_cache_mb * 2**20,
+        kv_mirror_bytes=args.kv_mirror_mb * 2**20 if args.kv_mirror_mb is not None else None,
         max_num_seqs=args.max_num_seqs,
         step_timeout=args.step_timeout,
         policy=args.policy,

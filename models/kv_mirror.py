@@ -1,0 +1,311 @@
+"""A dense copy of the decoding sequences' keys and values, kept from step to step.
+
+Attention over a paged cache first gathers each decode sequence's blocks into one
+padded [B, L, kv_heads, head_dim] tensor. Without a fused paged-attention kernel
+that gather is a full copy of the batch's context in every layer of every step
+(about 27% of a float32 decode step on a 2-core CPU), although from one step to
+the next only one position per sequence is new.
+
+The mirror keeps that padded tensor alive between steps: each sequence of a
+decode group owns a row of a [rows, len_cap] buffer per layer, and a step copies
+only what is new: the token it writes, or, for a row that is missing or stale, the
+row's blocks from the paged cache (a "refill"). The paged cache stays the source
+of truth; a row is trusted only while its sequence id, length and block table
+prefix all match what the step asks for, and a prefill chunk of a sequence drops
+its rows (its keys may have been recomputed).
+
+There is one entry (buffer) per batch group that can be in flight, so two
+pipeline batches alternating through a stage each keep their own rows. Rows of
+sequences absent from a step stay as masked padding and are reused by newcomers;
+an entry whose live rows fall to under half its span is rebuilt compactly. The
+whole mirror stays within `budget_bytes`; a step that would not fit uses the
+gather instead, which gives the same attention inputs.
+
+Failure safety: a step's rows are marked valid only by `commit`, after every
+layer ran; a row being refilled or taken over is marked invalid at planning time,
+so a step that fails half way leaves no row that claims data it does not hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["KVMirror", "MirrorPlan"]
+
+# A new entry gets this many positions of headroom past the longest row.
+_HEADROOM_BLOCKS = 4
+
+
+class _Entry:
+    """One buffer: rows of sequences and what each row holds."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        # [layers, 2 (k, v), rows, len_cap, kv_heads, head_dim]; zeros: a masked
+        # position must hold a finite value (0 * NaN would spread).
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+        rows = shape[2]
+        self.row_seq: list[Optional[int]] = [None] * rows
+        self.row_len: list[int] = [-1] * rows  # positions [0, row_len) are valid; -1: nothing
+        self.row_blocks: list[tuple[int, ...]] = [()] * rows  # block table prefix behind row_len
+        self.seq_row: dict[int, int] = {}
+        self.last_used = 0
+
+    @property
+    def rows(self) -> int:
+        return self.kv.shape[2]
+
+    @property
+    def len_cap(self) -> int:
+        return self.kv.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def forget(self, row: int) -> None:
+        seq = self.row_seq[row]
+        if seq is not None and self.seq_row.get(seq) == row:
+            del self.seq_row[seq]
+        self.row_seq[row], self.row_len[row], self.row_blocks[row] = None, -1, ()
+
+    def assign(self, row: int, seq: int) -> None:
+        self.forget(row)
+        self.row_seq[row] = seq
+        self.seq_row[seq] = row
+
+
+@dataclass
+class MirrorPlan:
+    """How one step's decode group uses the mirror (built once per step, used by every layer)."""
+
+    entry: _Entry
+    rows: torch.Tensor  # [B] long: the entry row of each decode sequence, in batch order
+    positions: torch.Tensor  # [B] long: the position each sequence writes this step
+    # Rows to copy from the paged cache before attending: (row, block ids [n]).
+    refills: list[tuple[int, torch.Tensor]]
+    span: int  # rows [0, span) are attended
+    length: int  # key positions attended per row (the batch's padded block-table width)
+    identity: bool  # rows == arange(B) and span == B: queries need no scatter
+    mask: torch.Tensor  # [span, 1, 1, length] bool
+    # What commit records per batch row: (row, length after the step, block prefix).
+    updates: list[tuple[int, int, tuple[int, ...]]]
+
+
+class KVMirror:
+    """Dense decode keys/values for `num_layers` layers, within `budget_bytes` (see module docstring)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        budget_bytes: int,
+        max_entries: int = 1,
+    ) -> None:
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.block_size = block_size
+        self.dtype, self.device = dtype, torch.device(device)
+        self.budget_bytes = int(budget_bytes)
+        self.max_entries = max(1, int(max_entries))
+        self.entries: list[_Entry] = []
+        self._clock = 0
+        self.refilled_rows = 0  # rows copied from the paged cache, in total
+        self.fallbacks = 0  # decode steps that did not fit the budget and gathered instead
+        self.compactions = 0  # entries laid out again because most of their span was padding
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    def _entry_bytes(self, rows: int, len_cap: int) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * rows * len_cap * self.num_kv_heads * self.head_dim * itemsize
+
+    def clear(self) -> None:
+        """Drops every entry (their memory goes with them)."""
+        self.entries = []
+
+    def invalidate(self, seq_ids: Sequence[int]) -> None:
+        """Forgets the rows of these sequences (their keys are being recomputed)."""
+        for entry in self.entries:
+            for seq in seq_ids:
+                row = entry.seq_row.get(seq)
+                if row is not None:
+                    entry.forget(row)
+
+    def plan(
+        self, seq_ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]], key_mask: torch.Tensor
+    ) -> Optional[MirrorPlan]:
+        """Rows for a decode group (sequence i writes position positions[i] with block table tables[i]).
+
+        `key_mask` [B, 1, 1, L] is the group's mask over its padded block tables. None
+        when the group does not fit the budget: the caller gathers from the paged cache.
+        """
+        b, length = len(seq_ids), int(key_mask.shape[-1])
+        self._clock += 1
+        entry = self._pick(seq_ids)
+        if entry is None or entry.rows < b or entry.len_cap < length:
+            entry = self._grow(entry, b, length)
+            if entry is None:
+                self.fallbacks += 1
+                return None
+        entry.last_used = self._clock
+
+        bs = self.block_size
+        wanted = set(seq_ids)
+        rows: list[int] = []
+        stale: list[int] = []
+        for seq, pos, table in zip(seq_ids, positions, tables):
+            row = entry.seq_row.get(seq)
+            if row is None:
+                rows.append(-1)
+                continue
+            rows.append(row)
+            held = -(-pos // bs)
+            if entry.row_len[row] != pos or tuple(table[:held]) != entry.row_blocks[row][:held]:
+                stale.append(row)
+        # Newcomers take the lowest rows not used by this step.
+        free = iter(r for r in range(entry.rows) if entry.row_seq[r] not in wanted)
+        refill_rows = set(stale)
+        for i, seq in enumerate(seq_ids):
+            if rows[i] < 0:
+                row = next(free)
+                entry.assign(row, seq)
+                rows[i] = row
+                refill_rows.add(row)
+        span = max(rows) + 1
+        if span > 2 * b and span - b >= 8:
+            # Mostly padding: lay the group out again in batch order.
+            for row in range(entry.rows):
+                entry.forget(row)
+            rows = list(range(b))
+            for row, seq in zip(rows, seq_ids):
+                entry.assign(row, seq)
+            refill_rows = set(rows)
+            span = b
+            self.compactions += 1
+
+        refills = []
+        for i, (row, pos, table) in enumerate(zip(rows, positions, tables)):
+            if row in refill_rows:
+                entry.row_len[row] = -1  # until commit: a failed step must leave no valid claim
+                refills.append((row, torch.tensor(list(table[: pos // bs + 1]), dtype=torch.long, device=self.device)))
+        self.refilled_rows += len(refills)
+
+        identity = span == b and rows == list(range(b))
+        if identity:
+            mask = key_mask
+        else:
+            mask = torch.zeros((span, 1, 1, length), dtype=torch.bool, device=key_mask.device)
+            mask[..., 0] = True  # padding rows attend to one finite key; their output is dropped
+            mask[torch.tensor(rows, device=key_mask.device)] = key_mask
+        updates = [
+            (row, pos + 1, tuple(table[: pos // bs + 1])) for row, pos, table in zip(rows, positions, tables)
+        ]
+        return MirrorPlan(
+            entry=entry,
+            rows=torch.tensor(rows, dtype=torch.long, device=self.device),
+            positions=torch.tensor(list(positions), dtype=torch.long, device=self.device),
+            refills=refills,
+            span=span,
+            length=length,
+            identity=identity,
+            mask=mask,
+            updates=updates,
+        )
+
+    @staticmethod
+    def commit(plan: MirrorPlan) -> None:
+        """Marks the step's rows valid (call after every layer ran)."""
+        entry = plan.entry
+        for row, new_len, blocks in plan.updates:
+            entry.row_len[row] = new_len
+            entry.row_blocks[row] = blocks
+
+    def layer_kv(
+        self,
+        plan: MirrorPlan,
+        layer: int,
+        paged_k: torch.Tensor,
+        paged_v: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Brings layer `layer`'s rows up to date and returns its keys and values [span, length, kv_heads, head_dim].
+
+        paged_k/v: the layer's paged blocks [num_blocks, block_size, kv_heads, head_dim]
+        (already holding this step's tokens); k, v [B, kv_heads, head_dim]: the decode
+        group's new keys and values, in batch order.
+        """
+        buf_k, buf_v = plan.entry.kv[layer, 0], plan.entry.kv[layer, 1]
+        bs = self.block_size
+        for row, blocks in plan.refills:
+            n = blocks.shape[0] * bs
+            torch.index_select(paged_k, 0, blocks, out=buf_k[row, :n].view(-1, bs, *paged_k.shape[2:]))
+            torch.index_select(paged_v, 0, blocks, out=buf_v[row, :n].view(-1, bs, *paged_v.shape[2:]))
+        buf_k.index_put_((plan.rows, plan.positions), k)
+        buf_v.index_put_((plan.rows, plan.positions), v)
+        return buf_k[: plan.span, : plan.length], buf_v[: plan.span, : plan.length]
+
+    # ----- entries -----
+
+    def _pick(self, seq_ids: Sequence[int]) -> Optional[_Entry]:
+        best, overlap = None, 0
+        for entry in self.entries:
+            n = sum(1 for s in seq_ids if s in entry.seq_row)
+            if n > overlap:
+                best, overlap = entry, n
+        if best is not None:
+            return best
+        if len(self.entries) < self.max_entries:
+            return None  # room for a new entry
+        return min(self.entries, key=lambda e: e.last_used)
+
+    def _grow(self, entry: Optional[_Entry], rows: int, length: int) -> Optional[_Entry]:
+        """`entry` resized (content kept) or a new entry, to hold `rows` rows of `length`; None if over budget."""
+        bs = self.block_size
+        old_rows, old_len = (entry.rows, entry.len_cap) if entry is not None else (0, 0)
+        need_rows, need_len = max(rows, old_rows), max(length, old_len)
+        others = self.nbytes - (entry.nbytes if entry is not None else 0)
+        candidates = [
+            (max(need_rows, 2 * old_rows) if rows > old_rows else need_rows,
+             max(need_len + _HEADROOM_BLOCKS * bs, 2 * old_len) if length > old_len else need_len),
+            (need_rows, need_len),
+        ]
+        shape = None
+        for r, n in candidates:
+            if others + self._entry_bytes(r, n) <= self.budget_bytes:
+                shape = (r, n)
+                break
+        if shape is None:
+            # Make room by dropping the other entries (least recently used first).
+            for other in sorted((e for e in self.entries if e is not entry), key=lambda e: e.last_used):
+                self.entries.remove(other)
+                others -= other.nbytes
+                if others + self._entry_bytes(need_rows, need_len) <= self.budget_bytes:
+                    shape = (need_rows, need_len)
+                    break
+        if shape is None:
+            if entry is not None:
+                self.entries.remove(entry)
+            return None
+        new = _Entry(
+            (self.num_layers, 2, shape[0], shape[1], self.num_kv_heads, self.head_dim), self.dtype, self.device
+        )
+        if entry is not None:
+            new.kv[:, :, :old_rows, :old_len].copy_(entry.kv)
+            new.row_seq[:old_rows] = entry.row_seq
+            new.row_len[:old_rows] = entry.row_len
+            new.row_blocks[:old_rows] = entry.row_blocks
+            new.seq_row = dict(entry.seq_row)
+            new.last_used = entry.last_used
+            self.entries[self.entries.index(entry)] = new
+        else:
+            self.entries.append(new)
+        return new
