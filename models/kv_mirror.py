@@ -284,8 +284,11 @@ class KVMirror:
                 shape = (r, n)
                 break
         if shape is None:
-            # Make room by dropping the other entries (least recently used first).
-            for other in sorted((e for e in self.entries if e is not entry), key=lambda e: e.last_used):
+            # Make room by dropping other entries, least recently used first, but only
+            # those no in-flight group used lately: evicting a live group's entry would
+            # have two groups take turns refilling everything, which is worse than gathering.
+            stale = [e for e in self.entries if e is not entry and e.last_used <= self._clock - self.max_entries]
+            for other in sorted(stale, key=lambda e: e.last_used):
                 self.entries.remove(other)
                 others -= other.nbytes
                 if others + self._entry_bytes(need_rows, need_len) <= self.budget_bytes:

@@ -167,3 +167,18 @@ def test_a_group_over_budget_gathers_instead() -> None:
     assert step.decode.mirror is None and cache.mirror.fallbacks == 1
     ks, vs = cache.layer(0).decode_kv(step.decode, torch.zeros(2, HEADS, DIM), torch.zeros(2, HEADS, DIM))
     assert ks.shape[0] == 2  # the gather's rows, in batch order
+
+
+def test_two_groups_that_do_not_both_fit_do_not_evict_each_other() -> None:
+    per_row_pos = LAYERS * 2 * HEADS * DIM * 4
+    # Room for a's entry (2 rows of 4 positions + 16 of headroom) and not for b's 2 x 4 next to it.
+    cache = _cache(budget=per_row_pos * 44, entries=2)
+    sim = _Sim(cache, 0)
+    a, b = [sim.add(3), sim.add(3)], [sim.add(3), sim.add(3)]
+    sim.decode_step(a, 0)
+    chunks = [SequenceChunk(s, [1], sim.lens[s], list(sim.tables[s])) for s in b]
+    step = prepare_step(ModelBatch(1, chunks), block_size=BLOCK, num_blocks=NUM_BLOCKS, vocab_size=8)
+    cache.begin_step(step)
+    assert step.decode.mirror is None  # b gathers ...
+    sim.decode_step(a, 2)  # ... and a keeps its rows
+    assert cache.mirror.fallbacks == 1 and len(cache.mirror.entries) == 1
