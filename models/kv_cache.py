@@ -8,6 +8,10 @@ Position p of a sequence lives at block `block_table[p // block_size]`, offset
 All layers share one allocation, zero-filled at creation: the pages are touched
 once at load time rather than on the hot path (first touch runs at about 2 GB/s
 here), and a masked-out slot never holds a NaN that 0 * NaN would spread.
+
+Decode steps may read a dense copy of their sequences' rows instead of gathering
+blocks (`models.kv_mirror.KVMirror`, owned here; `begin_step` / `end_step` bracket a
+step's layers); the blocks stay the source of truth.
 """
 
 from __future__ import annotations

@@ -174,9 +174,8 @@ class Attention(nn.Module):
             ks, vs = cache.decode_kv(dec, k[dec.rows], v[dec.rows])
             qs = q[dec.rows].view(b, self.n_kv_heads, groups, hd)
             plan = dec.mirror
-            if plan is None or plan.identity:
-                mask = dec.key_mask if plan is None else plan.mask
-                o = attend(qs, ks.transpose(1, 2), vs.transpose(1, 2), self.scale, mask=mask)
+            if plan is None or plan.identity:  # row i holds sequence i
+                o = attend(qs, ks.transpose(1, 2), vs.transpose(1, 2), self.scale, mask=dec.key_mask)
             else:
                 # Mirror rows are not in batch order: place each query at its sequence's row.
                 q_rows = qs.new_zeros((plan.span, *qs.shape[1:]))
