@@ -79,17 +79,21 @@ class LayerKV:
 
     def decode_kv(
         self, decode: "DecodeGroup", k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [rows, L, kv_heads, head_dim] a decode group attends (call after `write`).
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """What a decode group attends (call after `write`): keys, values [R, L, kv_heads, head_dim], mask, rows.
 
-        k, v [B, kv_heads, head_dim] are the group's new keys and values. With a mirror
-        plan (see models/kv_mirror.py) the rows are the plan's (`decode.mirror.rows`
-        says where each sequence sits); otherwise row i is sequence i, gathered now.
+        k, v [T, kv_heads, head_dim] are the step's new keys and values. `rows` is None
+        when row i holds the group's sequence i (mask [B, 1, 1, L]); otherwise the R rows
+        come from the mirror (models/kv_mirror.py) and rows[i] is where sequence i sits,
+        the other rows being padding (mask [R, 1, 1, L]).
         """
         plan = decode.mirror
-        if plan is not None and self.mirror is not None:
-            return self.mirror.layer_kv(plan, self.index, self.k, self.v, k, v)
-        return self.gather(decode.block_tables)
+        if plan is None:
+            ks, vs = self.gather(decode.block_tables)
+            return ks, vs, decode.key_mask, None
+        assert self.mirror is not None
+        ks, vs = self.mirror.layer_kv(plan, self.index, self.k, self.v, k[decode.rows], v[decode.rows])
+        return (ks, vs, decode.key_mask, None) if plan.identity else (ks, vs, plan.mask, plan.rows)
 
 
 class PagedKVCache:

@@ -89,7 +89,7 @@ class MirrorPlan:
     span: int  # rows [0, span) are attended
     length: int  # key positions attended per row (the batch's padded block-table width)
     identity: bool  # rows == arange(B) and span == B: queries need no scatter
-    mask: torch.Tensor  # [span, 1, 1, length] bool
+    mask: Optional[torch.Tensor]  # [span, 1, 1, length] bool; None with identity (the group's own mask)
     # What commit records per batch row: (row, length after the step, block prefix).
     updates: list[tuple[int, int, tuple[int, ...]]]
 
@@ -113,6 +113,7 @@ class KVMirror:
         self.dtype, self.device = dtype, torch.device(device)
         self.budget_bytes = int(budget_bytes)
         self.max_entries = max(1, int(max_entries))
+        self._itemsize = torch.empty((), dtype=dtype).element_size()
         self.entries: list[_Entry] = []
         self._clock = 0
         self.refilled_rows = 0  # rows copied from the paged cache, in total
@@ -124,12 +125,7 @@ class KVMirror:
         return sum(e.nbytes for e in self.entries)
 
     def _entry_bytes(self, rows: int, len_cap: int) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * rows * len_cap * self.num_kv_heads * self.head_dim * itemsize
-
-    def clear(self) -> None:
-        """Drops every entry (their memory goes with them)."""
-        self.entries = []
+        return self.num_layers * 2 * rows * len_cap * self.num_kv_heads * self.head_dim * self._itemsize
 
     def invalidate(self, seq_ids: Sequence[int]) -> None:
         """Forgets the rows of these sequences (their keys are being recomputed)."""
@@ -191,23 +187,21 @@ class KVMirror:
             span = b
             self.compactions += 1
 
-        refills = []
-        for i, (row, pos, table) in enumerate(zip(rows, positions, tables)):
+        refills, updates = [], []
+        for row, pos, table in zip(rows, positions, tables):
+            blocks = tuple(table[: pos // bs + 1])  # the blocks behind positions [0, pos]
+            updates.append((row, pos + 1, blocks))
             if row in refill_rows:
                 entry.row_len[row] = -1  # until commit: a failed step must leave no valid claim
-                refills.append((row, torch.tensor(list(table[: pos // bs + 1]), dtype=torch.long, device=self.device)))
+                refills.append((row, torch.tensor(blocks, dtype=torch.long, device=self.device)))
         self.refilled_rows += len(refills)
 
         identity = span == b and rows == list(range(b))
-        if identity:
-            mask = key_mask
-        else:
+        mask = None
+        if not identity:
             mask = torch.zeros((span, 1, 1, length), dtype=torch.bool, device=key_mask.device)
             mask[..., 0] = True  # padding rows attend to one finite key; their output is dropped
             mask[torch.tensor(rows, device=key_mask.device)] = key_mask
-        updates = [
-            (row, pos + 1, tuple(table[: pos // bs + 1])) for row, pos, table in zip(rows, positions, tables)
-        ]
         return MirrorPlan(
             entry=entry,
             rows=torch.tensor(rows, dtype=torch.long, device=self.device),

@@ -171,16 +171,16 @@ class Attention(nn.Module):
             # query dimension, so the keys are attended without being repeated per head.
             dec = step.decode
             b, groups = dec.rows.shape[0], self.n_heads // self.n_kv_heads
-            ks, vs = cache.decode_kv(dec, k[dec.rows], v[dec.rows])
+            ks, vs, mask, rows = cache.decode_kv(dec, k, v)
             qs = q[dec.rows].view(b, self.n_kv_heads, groups, hd)
-            plan = dec.mirror
-            if plan is None or plan.identity:  # row i holds sequence i
-                o = attend(qs, ks.transpose(1, 2), vs.transpose(1, 2), self.scale, mask=dec.key_mask)
-            else:
-                # Mirror rows are not in batch order: place each query at its sequence's row.
-                q_rows = qs.new_zeros((plan.span, *qs.shape[1:]))
-                q_rows[plan.rows] = qs
-                o = attend(q_rows, ks.transpose(1, 2), vs.transpose(1, 2), self.scale, mask=plan.mask)[plan.rows]
+            if rows is not None:
+                # Cached rows are not in batch order: place each query at its sequence's row.
+                q_rows = qs.new_zeros((ks.shape[0], *qs.shape[1:]))
+                q_rows[rows] = qs
+                qs = q_rows
+            o = attend(qs, ks.transpose(1, 2), vs.transpose(1, 2), self.scale, mask=mask)
+            if rows is not None:
+                o = o[rows]
             out[dec.rows] = o.reshape(b, self.n_heads, hd)
         return self.o_proj(out.view(t, self.n_heads * hd))
 

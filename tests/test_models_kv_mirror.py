@@ -68,18 +68,18 @@ class _Sim:
             kv = self.cache.layer(layer)
             k_new, v_new = torch.randn(len(seqs), HEADS, DIM), torch.randn(len(seqs), HEADS, DIM)
             kv.write(k_new, v_new, step.slot_mapping)
-            ks, vs = kv.decode_kv(dec, k_new, v_new)
+            ks, vs, mask, rows = kv.decode_kv(dec, k_new, v_new)
             ref_k, ref_v = (t.clone() for t in kv.gather(dec.block_tables))
-            plan = dec.mirror
+            rows = torch.arange(len(seqs)) if rows is None else rows
             for i, seq in enumerate(seqs):
                 n = self.lens[seq] + 1
-                row = int(plan.rows[i])
+                row = int(rows[i])
                 assert torch.equal(ks[row, :n], ref_k[i, :n]), (layer, seq)
                 assert torch.equal(vs[row, :n], ref_v[i, :n]), (layer, seq)
             want = attend(q, ref_k.transpose(1, 2), ref_v.transpose(1, 2), 0.3, mask=dec.key_mask)
-            q_rows = q.new_zeros((plan.span, *q.shape[1:]))
-            q_rows[plan.rows] = q
-            got = attend(q_rows, ks.transpose(1, 2), vs.transpose(1, 2), 0.3, mask=plan.mask)[plan.rows]
+            q_rows = q.new_zeros((ks.shape[0], *q.shape[1:]))
+            q_rows[rows] = q
+            got = attend(q_rows, ks.transpose(1, 2), vs.transpose(1, 2), 0.3, mask=mask)[rows]
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         if commit:
             self.cache.end_step(step)
@@ -165,8 +165,8 @@ def test_a_group_over_budget_gathers_instead() -> None:
     step = prepare_step(ModelBatch(0, chunks), block_size=BLOCK, num_blocks=NUM_BLOCKS, vocab_size=8)
     cache.begin_step(step)
     assert step.decode.mirror is None and cache.mirror.fallbacks == 1
-    ks, vs = cache.layer(0).decode_kv(step.decode, torch.zeros(2, HEADS, DIM), torch.zeros(2, HEADS, DIM))
-    assert ks.shape[0] == 2  # the gather's rows, in batch order
+    ks, vs, mask, rows = cache.layer(0).decode_kv(step.decode, torch.zeros(2, HEADS, DIM), torch.zeros(2, HEADS, DIM))
+    assert ks.shape[0] == 2 and rows is None  # the gather's rows, in batch order
 
 
 def test_two_groups_that_do_not_both_fit_do_not_evict_each_other() -> None:

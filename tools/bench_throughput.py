@@ -88,16 +88,17 @@ def run_engine(name: str, dtype: str, engine_options: dict) -> dict:
         options["layer_split"] = list(llm.layer_split)
     rank_rss = [round(s["peak_rss_bytes"] / 2**20, 1) for s in stats]
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    # Per rank, over the timed run: seconds inside steps, and of those, waiting for the previous stage.
-    busy = [round(b["execute_seconds"] - a["execute_seconds"], 3) for a, b in zip(before, stats)]
-    recv = [round(b["recv_seconds"] - a["recv_seconds"], 3) for a, b in zip(before, stats)]
-    mirror = [round(s["kv_mirror_bytes"] / 2**20, 1) for s in stats]
+    def timed(key: str) -> list[float]:  # per rank, seconds over the timed run
+        return [round(b[key] - a[key], 3) for a, b in zip(before, stats)]
+
     extra = {
         "rss_per_rank_mb": rank_rss,
         "driver_rss_mb": round(own, 1),
-        "stage_busy_s": busy,
-        "stage_recv_s": recv,
-        "kv_mirror_mb": mirror,
+        "stage_busy_s": timed("execute_seconds"),  # inside steps
+        "stage_recv_s": timed("recv_seconds"),  # of those, waiting for the previous stage
+        "allreduce_s": timed("allreduce_seconds"),  # tp all-reduces through shared memory
+        "allreduce_wait_s": timed("allreduce_wait_seconds"),  # of those, waiting for a peer
+        "kv_mirror_mb": [round(s["kv_mirror_bytes"] / 2**20, 1) for s in stats],
     }
     return _result(name, options, dtype, elapsed, startup, max(rank_rss), extra)
 

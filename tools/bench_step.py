@@ -1,0 +1,104 @@
+"""One rank's step times on the throughput workload, in this process (no actors, no messages).
+
+Drives a single `LlamaWorker` (TP1, PP1) with the engine's `Scheduler` over the
+fixed workload of tools/bench_throughput.py (64 prompts of 128 random ids, 64 output
+tokens, greedy) and prints one JSON line per run:
+  {"bench": "step", "threads": T, "kv_mirror_mb": M, "prefill_s": ..., "decode_ms_per_step": ...,
+   "total_s": ..., "output_tokens_per_s": ..., "profile": {op: share of decode time, ...}}
+`--profile` runs torch.profiler over decode steps 20-39 and reports the largest ops'
+shares of their self time. Two copies pinned to different cores (`--cpu 0`, `--cpu 1`)
+show how much one busy core slows the other. Run it alone otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from actors.context import ActorContext
+from models.default_model import default_model_dir
+from models.worker import LlamaWorker
+from scheduling.request import Request
+from scheduling.sampling_params import SamplingParams
+from scheduling.scheduler import Scheduler
+
+NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 64, 128, 64
+PROFILED_STEPS = range(20, 40)
+
+
+def run(threads: int, cpus: list[int], dtype: str, kv_mirror_mb: int, profile: bool) -> dict:
+    import prompt_sets
+
+    os.sched_setaffinity(0, set(cpus))
+    ctx = ActorContext(pp=0, tp=0, tp_size=1, pp_size=1, master_addr="127.0.0.1", master_port=0)
+    worker = LlamaWorker(
+        ctx, default_model_dir(), dtype=dtype, num_threads=threads,
+        kv_cache_bytes=256 * 2**20, kv_mirror_bytes=kv_mirror_mb * 2**20,
+    )
+    worker.init_distributed()
+    info = worker.load_model()
+    sched = Scheduler(256, 8192, info["num_blocks"], info["block_size"], 2048)
+    params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
+    for i, spec in enumerate(prompt_sets.random_prompts(NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, worker.args.vocab_size, seed=0)):
+        sched.add_request(Request(str(i), list(spec.prompt_token_ids), params))
+
+    prefill_s, decode_s = 0.0, []
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
+    start = time.perf_counter()
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        decode = all(len(c.token_ids) == 1 for c in batch.chunks)
+        if profiler is not None and decode and len(decode_s) == PROFILED_STEPS.start:
+            profiler.__enter__()
+        t = time.perf_counter()
+        output = worker.execute_model(batch)
+        dt = time.perf_counter() - t
+        if profiler is not None and decode and len(decode_s) == PROFILED_STEPS.stop - 1:
+            profiler.__exit__(None, None, None)
+        if decode:
+            decode_s.append(dt)
+        else:
+            prefill_s += dt
+        sched.update(batch, output)
+    total = time.perf_counter() - start
+    worker.shutdown()
+
+    line = {
+        "bench": "step",
+        "threads": threads,
+        "cpus": cpus,
+        "dtype": str(worker.dtype).removeprefix("torch."),
+        "kv_mirror_mb": kv_mirror_mb,
+        "prefill_s": round(prefill_s, 3),
+        "decode_steps": len(decode_s),
+        "decode_ms_per_step": round(1e3 * statistics.median(decode_s), 1),
+        "total_s": round(total, 3),
+        "output_tokens_per_s": round(NUM_PROMPTS * OUTPUT_LEN / total, 1),
+    }
+    if profiler is not None:
+        events = profiler.key_averages()
+        whole = sum(e.self_cpu_time_total for e in events)
+        top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:5]
+        line["profile"] = {e.key: round(e.self_cpu_time_total / whole, 3) for e in top}
+    return line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cpu", type=int, nargs="+", help="CPUs to pin to (default the first --threads)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--kv-mirror-mb", type=int, default=256, help="0: gather from the paged cache every step")
+    parser.add_argument("--profile", action="store_true", help="op shares of decode steps 20-39")
+    args = parser.parse_args()
+    cpus = args.cpu or list(range(args.threads))
+    print(json.dumps(run(args.threads, cpus, args.dtype, args.kv_mirror_mb, args.profile)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
