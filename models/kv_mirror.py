@@ -3,7 +3,8 @@
 Attention over a paged cache first gathers each decode sequence's blocks into one
 padded [B, L, kv_heads, head_dim] tensor. Without a fused paged-attention kernel
 that gather is a full copy of the batch's context in every layer of every step
-(about 27% of a float32 decode step on a 2-core CPU), although from one step to
+(about a quarter of a float32 decode step here: `tools/bench_step.py --kv-mirror-mb 0
+--profile`), although from one step to
 the next only one position per sequence is new.
 
 The mirror keeps that padded tensor alive between steps: each sequence of a
