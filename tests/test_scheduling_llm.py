@@ -16,6 +16,7 @@ import torch
 
 from actors import ActorDied, Fault, FaultPlan
 from scheduling import LLM, SamplingParams
+from scheduling.llm import default_max_num_batched_tokens
 from tests.conftest import child_pids, wait_gone
 from tests.model_checkpoints import PROMPTS, TINY, build_checkpoint, reference_greedy, reference_model
 
@@ -90,7 +91,24 @@ class TestLayout:
         assert llm.scheduler.num_preemptions > before, "the small KV budget was meant to force preemption"
         assert llm.engine.peak_in_flight == llm.supervisor.pp_size
         assert llm.scheduler.block_manager.num_free_blocks == NUM_BLOCKS
+        assert llm.scheduler.max_num_batched_tokens == default_max_num_batched_tokens(llm.supervisor.pp_size)
 
+    def test_prompts_chunked_between_decode_steps_match_transformers(self, llm, reference):
+        # A budget of 5 tokens splits every prompt over several steps, each sharing its
+        # batch with decode rows (the pipeline's default budget does the same at 512).
+        _, expected, _ = reference
+        scheduler = llm.scheduler
+        budget, scheduler.max_num_batched_tokens = scheduler.max_num_batched_tokens, 5
+        try:
+            batches = llm.engine.stats()["num_batches"]
+            outputs = llm.generate(MANY_PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+            num_batches = llm.engine.stats()["num_batches"] - batches
+        finally:
+            scheduler.max_num_batched_tokens = budget
+        assert [o.token_ids for o in outputs] == expected
+        # At most 5 tokens a batch: every prompt token and every decode row needs its share.
+        tokens = sum(len(p) for p in MANY_PROMPTS) + len(MANY_PROMPTS) * (NEW_TOKENS - 1)
+        assert num_batches >= -(-tokens // 5)
 
     def test_decode_rows_mirrored_across_steps_match_transformers(self, llm, reference):
         # Requests ending at different steps leave padding rows in the decode mirror

@@ -50,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="per rank, MiB for the dense decode copy of keys/values kept across steps (default: --kv-cache-mb on CPU; 0: off)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget per batch (default 8192 with one stage, 512 with --pp > 1)",
+    )
     parser.add_argument("--show", type=int, default=2, help="print this many generations")
     parser.add_argument("--policy", default="fail", choices=["fail", "restart"], help="supervision policy")
     parser.add_argument(
@@ -103,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
         kv_cache_bytes=args.kv_cache_mb * 2**20,
         kv_mirror_bytes=args.kv_mirror_mb * 2**20 if args.kv_mirror_mb is not None else None,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         step_timeout=args.step_timeout,
         policy=args.policy,
         fault_plan=fault_plan,
@@ -143,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
         "pp": args.pp,
         "dtype": llm.dtype,
         "layer_split": list(llm.layer_split),
+        "max_num_batched_tokens": llm.scheduler.max_num_batched_tokens,
         "backend": args.backend,
         "dataset": args.dataset,
         "num_prompts": len(specs),
