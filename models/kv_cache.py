@@ -156,5 +156,5 @@ class PagedKVCache:
 
     def end_step(self, step: "StepInputs") -> None:
         """Records what the step wrote into the mirror (after the last layer ran)."""
-        if self.mirror is not None and step.decode is not None and step.decode.mirror is not None:
-            self.mirror.commit(step.decode.mirror)
+        if step.decode is not None and step.decode.mirror is not None:  # a plan implies a mirror
+            KVMirror.commit(step.decode.mirror)

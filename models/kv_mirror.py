@@ -198,14 +198,15 @@ class KVMirror:
         self.refilled_rows += len(refills)
 
         identity = span == b and rows == list(range(b))
+        row_ids = torch.tensor(rows, dtype=torch.long, device=self.device)
         mask = None
         if not identity:
             mask = torch.zeros((span, 1, 1, length), dtype=torch.bool, device=key_mask.device)
             mask[..., 0] = True  # padding rows attend to one finite key; their output is dropped
-            mask[torch.tensor(rows, device=key_mask.device)] = key_mask
+            mask[row_ids.to(key_mask.device)] = key_mask
         return MirrorPlan(
             entry=entry,
-            rows=torch.tensor(rows, dtype=torch.long, device=self.device),
+            rows=row_ids,
             positions=torch.tensor(list(positions), dtype=torch.long, device=self.device),
             refills=refills,
             span=span,

@@ -21,13 +21,14 @@ import time
 import torch
 
 from actors.context import ActorContext
+from bench_throughput import INPUT_LEN, NUM_PROMPTS, OUTPUT_LEN
 from models.default_model import default_model_dir
 from models.worker import LlamaWorker
+from scheduling.llm import DEFAULT_KV_CACHE_BYTES, default_max_num_batched_tokens
 from scheduling.request import Request
 from scheduling.sampling_params import SamplingParams
 from scheduling.scheduler import Scheduler
 
-NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 64, 128, 64
 PROFILED_STEPS = range(20, 40)
 
 
@@ -38,11 +39,12 @@ def run(threads: int, cpus: list[int], dtype: str, kv_mirror_mb: int, profile: b
     ctx = ActorContext(pp=0, tp=0, tp_size=1, pp_size=1, master_addr="127.0.0.1", master_port=0)
     worker = LlamaWorker(
         ctx, default_model_dir(), dtype=dtype, num_threads=threads,
-        kv_cache_bytes=256 * 2**20, kv_mirror_bytes=kv_mirror_mb * 2**20,
+        kv_cache_bytes=DEFAULT_KV_CACHE_BYTES, kv_mirror_bytes=kv_mirror_mb * 2**20,
     )
     worker.init_distributed()
     info = worker.load_model()
-    sched = Scheduler(256, 8192, info["num_blocks"], info["block_size"], 2048)
+    # The engine's single-stage defaults (LLM's max_num_seqs and token budget).
+    sched = Scheduler(256, default_max_num_batched_tokens(1), info["num_blocks"], info["block_size"], 2048)
     params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
     for i, spec in enumerate(prompt_sets.random_prompts(NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, worker.args.vocab_size, seed=0)):
         sched.add_request(Request(str(i), list(spec.prompt_token_ids), params))
@@ -54,12 +56,12 @@ def run(threads: int, cpus: list[int], dtype: str, kv_mirror_mb: int, profile: b
         batch = sched.schedule()
         decode = all(len(c.token_ids) == 1 for c in batch.chunks)
         if profiler is not None and decode and len(decode_s) == PROFILED_STEPS.start:
-            profiler.__enter__()
+            profiler.start()
         t = time.perf_counter()
         output = worker.execute_model(batch)
         dt = time.perf_counter() - t
         if profiler is not None and decode and len(decode_s) == PROFILED_STEPS.stop - 1:
-            profiler.__exit__(None, None, None)
+            profiler.stop()
         if decode:
             decode_s.append(dt)
         else:
