@@ -30,6 +30,7 @@ from torch import nn
 
 from models.config import Layout
 from models.llama import LlamaStage
+from models.prepack import PackedWeight, prepack_supported
 from models.shm_allreduce import ShmAllReduce
 
 __all__ = ["ShardSpec", "TPGroup", "VocabParallelEmbedding", "VocabParallelLMHead", "shard_stage"]
@@ -68,6 +69,8 @@ class TPGroup:
 
     def gather_to_first(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """The concatenation of every rank's x along dim on tp rank 0; x itself elsewhere."""
+        if self.size == 1:
+            return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
         dst = dist.get_global_rank(self.group, 0) if self.group is not None else 0
@@ -99,12 +102,36 @@ class VocabParallelLMHead(nn.Module):
 
     def __init__(self, dim: int, shard_rows: int, vocab_size: int, tp: TPGroup, start: int, stop: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(shard_rows, dim))
+        self.weight: Optional[nn.Parameter] = nn.Parameter(torch.empty(shard_rows, dim))
         self.vocab_size, self.tp = vocab_size, tp
         self.start, self.stop = start, stop
+        self.shard_rows = shard_rows
+        self.packed: Optional[PackedWeight] = None  # set by prepack(), which drops `weight`
+
+    def prepack(self) -> bool:
+        """Packs the shard's real rows for oneDNN (models/prepack.py) and frees the plain weight; False if unsupported."""
+        if self.packed is not None or self.weight is None:
+            return False
+        if not prepack_supported(self.weight.dtype, self.weight.device):
+            return False
+        self.packed = PackedWeight(self.weight[: self.stop - self.start])
+        self.register_parameter("weight", None)
+        return True
+
+    def _local_logits(self, h: torch.Tensor) -> torch.Tensor:
+        # Logits of the shard's real vocabulary rows [N, stop - start].
+        if self.packed is not None:
+            return self.packed.linear(h)
+        assert self.weight is not None
+        return F.linear(h, self.weight[: self.stop - self.start])
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.gather_to_first(F.linear(h, self.weight))
+        local = self._local_logits(h)
+        pad = self.shard_rows - local.shape[-1]
+        if pad:
+            # Every shard sends the same width; the last shard's padding rows give logit 0.
+            local = F.pad(local, (0, pad))
+        logits = self.tp.gather_to_first(local)
         return logits[:, : self.vocab_size] if self.tp.rank == 0 else logits
 
     def argmax(self, h: torch.Tensor) -> Optional[torch.Tensor]:
@@ -114,7 +141,7 @@ class VocabParallelLMHead(nn.Module):
         index wins, so the lowest-ranked shard holding the best value.
         """
         # The padding rows of the last shard would give logit 0: leave them out.
-        local = F.linear(h, self.weight[: self.stop - self.start]).float()
+        local = self._local_logits(h).float()
         values, index = local.max(dim=-1)
         # float64 carries both the float32 logit and the token id exactly.
         pairs = torch.stack((values.double(), (index + self.start).double()))  # [2, N]

@@ -37,6 +37,7 @@ from models.kv_cache import PagedKVCache
 from models.llama import LlamaStage
 from models.loader import load_stage
 from models.parallel import TPGroup
+from models.prepack import prepack_stage
 from models.sampler import is_greedy, sample
 from models.shm_allreduce import ShmAllReduce
 from models.step import StepInputs, prepare_step
@@ -46,6 +47,8 @@ __all__ = ["LlamaWorker"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 64 * 2**20
+# Steps kept in a rank's timeline (get_step_trace).
+STEP_TRACE_LEN = 4096
 # How long a shared-memory all-reduce spins before it yields, when every rank has a core.
 SHM_SPIN_S = 1e-3
 
@@ -75,6 +78,8 @@ class LlamaWorker:
         kv_mirror_bytes: most bytes of the dense decode copy of keys and values kept across
             steps (models/kv_mirror.py), which spares decode steps gathering every sequence's
             blocks; default kv_cache_bytes on CPU, 0 (off) on GPU.
+        prepack_weights: on CPU, reorder the linear weights once for oneDNN's matmul
+            (models/prepack.py) instead of on every call; a no-op where unsupported.
     """
 
     def __init__(
@@ -90,6 +95,7 @@ class LlamaWorker:
         device: Optional[str] = None,
         shm_allreduce: bool = True,
         kv_mirror_bytes: Optional[int] = None,
+        prepack_weights: bool = True,
     ) -> None:
         self.ctx = ctx
         self.where = f"rank (pp={ctx.pp}, tp={ctx.tp})"
@@ -123,6 +129,8 @@ class LlamaWorker:
         self.block_size = int(block_size)
         self.dist_timeout_s = dist_timeout_s
         self.shm_allreduce = shm_allreduce
+        self.prepack_weights = bool(prepack_weights)
+        self.num_packed = 0
         self.num_threads = num_threads or _default_threads(ctx.world_size)
         if self.device.type == "cpu":
             torch.set_num_threads(self.num_threads)
@@ -139,6 +147,9 @@ class LlamaWorker:
         self._execute_seconds = 0.0
         self._recv_seconds = 0.0  # of execute_seconds: waiting for the previous stage's hidden states
         self._send_wait_seconds = 0.0  # of execute_seconds: waiting for the next stage to take a send
+        # The last steps' timeline (see get_step_trace); bounded so a long run cannot grow it.
+        self._trace: collections.deque = collections.deque(maxlen=STEP_TRACE_LEN)
+        self._recv_done = 0.0
 
     # ----- setup -----
 
@@ -181,6 +192,8 @@ class LlamaWorker:
             raise RuntimeError(f"{self.where}: call init_distributed() before load_model()")
         num_blocks = self._num_blocks()  # before reading weights: a budget too small fails fast
         stage, report = load_stage(layout, self.model_path, self.dtype, self.device, self.tp_group)
+        if self.prepack_weights:
+            self.num_packed = prepack_stage(stage)  # 0 where unsupported (GPU, float16, no oneDNN)
         self.stage = stage
         self.num_params = report.num_params
         self.cache = PagedKVCache(
@@ -215,6 +228,7 @@ class LlamaWorker:
             "kv_cache_bytes": self.cache.nbytes,
             "dtype": str(self.dtype).removeprefix("torch."),
             "load_seconds": self.load_seconds,
+            "packed_weights": self.num_packed,
         }
 
     def _num_blocks(self) -> int:
@@ -258,7 +272,9 @@ class LlamaWorker:
             output = None
             if self.ctx.is_output_rank:
                 output = ModelOutput(batch.batch_id, [c.seq_id for c in chunks], tokens, logprobs)
-        self._execute_seconds += time.perf_counter() - start
+        end = time.perf_counter()
+        self._execute_seconds += end - start
+        self._trace.append((batch.batch_id, start, self._recv_done, end))
         return output
 
     def compute_logits(self, batch: ModelBatch) -> Optional[torch.Tensor]:
@@ -288,6 +304,7 @@ class LlamaWorker:
         )
         self._steps += 1
         self._tokens += step.num_tokens
+        self._recv_done = time.perf_counter()
         if step.num_tokens == 0:
             return step, None
         if ctx.is_first_stage:
@@ -296,7 +313,8 @@ class LlamaWorker:
             x = torch.empty(step.num_tokens, self.args.hidden_size, dtype=self.dtype, device=self.device)
             waited = time.perf_counter()
             dist.recv(x, src=ctx.global_rank - ctx.tp_size)
-            self._recv_seconds += time.perf_counter() - waited
+            self._recv_done = time.perf_counter()
+            self._recv_seconds += self._recv_done - waited
         h = stage(x, step, cache)
         if not ctx.is_last_stage:
             self._send_next(h)
@@ -359,10 +377,23 @@ class LlamaWorker:
             "kv_mirror_bytes": mirror.nbytes if mirror is not None else 0,
             "kv_mirror_refilled_rows": mirror.refilled_rows if mirror is not None else 0,
             "kv_mirror_fallbacks": mirror.fallbacks if mirror is not None else 0,
+            "packed_weights": self.num_packed,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
             "num_threads": self.num_threads,
         }
+
+    def get_step_trace(self, clear: bool = False) -> list[tuple[int, float, float, float]]:
+        """This rank's last steps (at most STEP_TRACE_LEN): (batch_id, start, inputs_ready, end).
+
+        Times are `time.perf_counter()` seconds (CLOCK_MONOTONIC, one clock for every process
+        of a host); inputs_ready is when the previous stage's hidden states had arrived (stage 0:
+        when the step's inputs were built). clear=True empties the timeline after reading it.
+        """
+        trace = list(self._trace)
+        if clear:
+            self._trace.clear()
+        return trace
 
     def shutdown(self) -> None:
         """Leaves the process group and drops the model; safe to call twice."""

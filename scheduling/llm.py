@@ -91,6 +91,8 @@ class LLM:
         kv_mirror_bytes: per rank, the most bytes of the dense decode copy of keys and values
             kept across steps (models/kv_mirror.py); default kv_cache_bytes on CPU (so KV
             memory at most doubles), 0 on GPU; 0 turns it off.
+        prepack_weights: on CPU, reorder every rank's linear weights once for oneDNN's
+            matmul (models/prepack.py); True by default, a no-op where unsupported.
         max_num_seqs, max_num_batched_tokens: the most sequences / tokens in one batch;
             the token budget defaults to 8192 with one stage and 512 with pp > 1
             (chunked prefill mixed into decode steps; see `default_max_num_batched_tokens`).
@@ -123,6 +125,7 @@ class LLM:
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         block_size: int = 16,
         kv_mirror_bytes: Optional[int] = None,
+        prepack_weights: bool = True,
         max_num_seqs: int = 256,
         max_num_batched_tokens: Optional[int] = None,
         max_model_len: Optional[int] = None,
@@ -164,6 +167,8 @@ class LLM:
         )
         if kv_mirror_bytes is not None:
             worker_kwargs["kv_mirror_bytes"] = int(kv_mirror_bytes)
+        if not prepack_weights:
+            worker_kwargs["prepack_weights"] = False
         if num_threads is not None:
             worker_kwargs["num_threads"] = int(num_threads)
         if layer_split is not None:

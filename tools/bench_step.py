@@ -32,7 +32,7 @@ from scheduling.scheduler import Scheduler
 PROFILED_STEPS = range(20, 40)
 
 
-def run(threads: int, cpus: list[int], dtype: str, kv_mirror_mb: int, profile: bool) -> dict:
+def run(threads: int, cpus: list[int], dtype: str, kv_mirror_mb: int, profile: bool, prepack: bool = True) -> dict:
     import prompt_sets
 
     os.sched_setaffinity(0, set(cpus))
@@ -40,6 +40,7 @@ def run(threads: int, cpus: list[int], dtype: str, kv_mirror_mb: int, profile: b
     worker = LlamaWorker(
         ctx, default_model_dir(), dtype=dtype, num_threads=threads,
         kv_cache_bytes=DEFAULT_KV_CACHE_BYTES, kv_mirror_bytes=kv_mirror_mb * 2**20,
+        prepack_weights=prepack,
     )
     worker.init_distributed()
     info = worker.load_model()
@@ -76,6 +77,7 @@ def run(threads: int, cpus: list[int], dtype: str, kv_mirror_mb: int, profile: b
         "cpus": cpus,
         "dtype": str(worker.dtype).removeprefix("torch."),
         "kv_mirror_mb": kv_mirror_mb,
+        "packed_weights": info["packed_weights"],
         "prefill_s": round(prefill_s, 3),
         "decode_steps": len(decode_s),
         "decode_ms_per_step": round(1e3 * statistics.median(decode_s), 1),
@@ -97,9 +99,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--kv-mirror-mb", type=int, default=256, help="0: gather from the paged cache every step")
     parser.add_argument("--profile", action="store_true", help="op shares of decode steps 20-39")
+    parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights (models/prepack.py off)")
     args = parser.parse_args()
     cpus = args.cpu or list(range(args.threads))
-    print(json.dumps(run(args.threads, cpus, args.dtype, args.kv_mirror_mb, args.profile)), flush=True)
+    line = run(args.threads, cpus, args.dtype, args.kv_mirror_mb, args.profile, prepack=not args.no_prepack)
+    print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":

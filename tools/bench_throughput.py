@@ -119,6 +119,7 @@ def run_engine(name: str, dtype: str, engine_options: dict) -> dict:
         "allreduce_s": timed("allreduce_seconds"),  # tp all-reduces through shared memory
         "allreduce_wait_s": timed("allreduce_wait_seconds"),  # of those, waiting for a peer
         "kv_mirror_mb": [round(s["kv_mirror_bytes"] / 2**20, 1) for s in stats],
+        "packed_weights": [s["packed_weights"] for s in stats],
     }
     return _result(name, options, dtype, elapsed, startup, max(rank_rss), extra)
 
@@ -172,6 +173,8 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
         out += ["--layer-split", *map(str, args.layer_split)]
     if args.kv_mirror_mb is not None:
         out += ["--kv-mirror-mb", str(args.kv_mirror_mb)]
+    if args.no_prepack:
+        out.append("--no-prepack")
     return out
 
 
@@ -184,6 +187,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, help="the engine's token budget per batch")
     parser.add_argument("--layer-split", type=int, nargs="+", metavar="N", help="decoder layers per stage (pp > 1; default balanced for this workload)")
     parser.add_argument("--kv-mirror-mb", type=int, help="per rank, MiB of the dense decode KV copy (0: off; default the engine's)")
+    parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights on the ranks (models/prepack.py off)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration here
     args = parser.parse_args()
     engine_options: dict = {}
@@ -191,6 +195,8 @@ def main() -> None:
         engine_options["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.kv_mirror_mb is not None:
         engine_options["kv_mirror_bytes"] = args.kv_mirror_mb * 2**20
+    if args.no_prepack:
+        engine_options["prepack_weights"] = False
     if args.one:
         if args.layer_split and CONFIGS.get(args.one, {}).get("pp", 1) > 1:
             engine_options["layer_split"] = args.layer_split

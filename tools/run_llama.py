@@ -49,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="per rank, MiB for the dense decode copy of keys/values kept across steps (default: --kv-cache-mb on CPU; 0: off)",
     )
+    parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights on the ranks (models/prepack.py off)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument(
         "--max-num-batched-tokens",
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
         dtype=args.dtype,
         kv_cache_bytes=args.kv_cache_mb * 2**20,
         kv_mirror_bytes=args.kv_mirror_mb * 2**20 if args.kv_mirror_mb is not None else None,
+        prepack_weights=not args.no_prepack,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         step_timeout=args.step_timeout,
