@@ -306,3 +306,17 @@ def test_bfloat16_logits_stay_close_to_float32(checkpoints):
     assert logits.dtype == torch.float32
     assert (logits - expected).abs().max() < 0.05 * expected.abs().max()
     worker.shutdown()
+
+
+def test_step_trace_records_each_step_in_order_and_clears(workers):
+    worker = workers("single")
+    worker.get_step_trace(clear=True)
+    tables = block_tables([4, 4], BLOCK)
+    for batch_id, (seq, table) in enumerate(zip((20, 21), tables), start=40):
+        worker.execute_model(ModelBatch(batch_id, [SequenceChunk(seq, [1, 2, 3], 0, table)]))
+    trace = worker.get_step_trace(clear=True)
+    assert [entry[0] for entry in trace] == [40, 41]
+    for _, start, ready, end in trace:
+        assert start <= ready <= end
+    assert trace[0][3] <= trace[1][1]
+    assert worker.get_step_trace() == []

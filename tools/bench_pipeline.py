@@ -1,0 +1,132 @@
+"""Where a pipeline's time goes: each stage's work and idle time per phase, from the ranks' step timelines.
+
+Runs the fixed workload of tools/bench_throughput.py (64 prompts of 128 random ids,
+64 output tokens, greedy, the default model) through `LLM` with two pipeline stages,
+one pinned core each, once with two batches in flight and once with one, and prints
+one JSON line per run:
+
+  {"bench": "pipeline", "max_inflight": 2, "output_tokens_per_s": ..., "run_s": ...,
+   "phases": {"prefill": {"batches": 18, "stage_ms_per_batch": [134, 94], ...},
+              "decode": {...}},
+   "stage_idle_s": [...], "stage_recv_wait_s": [...], "driver_turnaround_ms": ...}
+
+"prefill" batches carry at least one prompt chunk (with the pipeline's 512-token
+budget they also carry decode rows), "decode" batches one token per sequence. Per
+stage: `stage_ms_per_batch` is compute (waiting for the previous stage left out),
+`idle_s` is time the stage was outside any step. `driver_turnaround_ms` is the
+median time from a batch's result reaching the driver to its next submit. The
+timelines come from `LlamaWorker.get_step_trace` (CLOCK_MONOTONIC, one clock for
+the host). Run it alone on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import Future
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
+
+from bench_throughput import CONFIGS, NUM_PROMPTS, OUTPUT_LEN, WARMUP, _workload, workload_layer_split  # noqa: E402
+
+
+def _phase_stats(batches: list[int], stages: list[dict]) -> dict:
+    out: dict = {"batches": len(batches)}
+    compute, waits = [], []
+    for k, stage in enumerate(stages):
+        work = [stage[b][2] - stage[b][1] for b in batches]
+        wait = [stage[b][1] - stage[b][0] for b in batches] if k else [0.0] * len(batches)
+        compute.append(round(1e3 * sum(work) / len(batches), 1))
+        waits.append(round(sum(wait), 3))
+    out["stage_ms_per_batch"] = compute
+    out["stage_recv_wait_s"] = waits
+    out["seconds"] = round(stages[0][batches[-1]][2] - stages[0][batches[0]][0], 3)
+    return out
+
+
+def run(max_inflight: int, dtype: str, engine_options: dict) -> dict:
+    from scheduling import LLM, SamplingParams
+
+    options = {**CONFIGS["pp2"], "max_inflight": max_inflight, **engine_options}
+    options.setdefault("layer_split", workload_layer_split(options["pp"]))
+    with LLM(model=None, dtype=dtype, **options) as llm:
+        specs = _workload(llm.args.vocab_size)
+        params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
+        llm.generate([s.prompt_token_ids for s in specs[:WARMUP]], params)
+        llm.supervisor.collective_rpc("get_step_trace", kwargs={"clear": True})
+        submitted: dict[int, tuple[float, bool]] = {}  # batch id -> (time, carries a prompt chunk)
+        done: dict[int, float] = {}
+        submit = llm.engine._submit
+
+        def traced_submit(batch) -> Future:
+            prompt = any(c.num_generated == 0 for c in batch.chunks)  # a prompt chunk
+            submitted[batch.batch_id] = (time.perf_counter(), prompt)
+            future = submit(batch)
+            future.add_done_callback(lambda _f, b=batch.batch_id: done.__setitem__(b, time.perf_counter()))
+            return future
+
+        llm.engine._submit = traced_submit
+        t0 = time.perf_counter()
+        llm.generate([s.prompt_token_ids for s in specs[WARMUP:]], params)
+        t1 = time.perf_counter()
+        raw = llm.supervisor.collective_rpc("get_step_trace")
+        layer_split = list(llm.layer_split)
+        budget = llm.scheduler.max_num_batched_tokens
+    stages = [{b: (s, r, e) for b, s, r, e in rank} for rank in raw]  # one rank per stage
+    ids = sorted(submitted)
+    run_s = t1 - t0
+    phases = {}
+    for name, keep in (("prefill", True), ("decode", False)):
+        batches = [b for b in ids if submitted[b][1] == keep]
+        if batches:
+            phases[name] = _phase_stats(batches, stages)
+    turnaround = []
+    by_submit = sorted(ids, key=lambda b: submitted[b][0])
+    for b in ids:
+        later = next((c for c in by_submit if submitted[c][0] >= done[b]), None)
+        if later is not None:
+            turnaround.append(submitted[later][0] - done[b])
+    return {
+        "bench": "pipeline",
+        "pp": options["pp"],
+        "max_inflight": max_inflight,
+        "dtype": dtype,
+        "layer_split": layer_split,
+        "max_num_batched_tokens": budget,
+        "output_tokens_per_s": round((NUM_PROMPTS - WARMUP) * OUTPUT_LEN / run_s, 1),
+        "run_s": round(run_s, 3),
+        "phases": phases,
+        "stage_busy_s": [round(sum(e - s for b, (s, _, e) in st.items() if b in submitted), 3) for st in stages],
+        "stage_idle_s": [
+            round(run_s - sum(e - s for b, (s, _, e) in st.items() if b in submitted), 3) for st in stages
+        ],
+        "driver_turnaround_ms": round(1e3 * statistics.median(turnaround), 2) if turnaround else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--inflight", type=int, nargs="+", default=[2, 1], help="batches in flight, one run each")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--layer-split", type=int, nargs="+", metavar="N")
+    parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights (models/prepack.py off)")
+    args = parser.parse_args()
+    options: dict = {}
+    if args.max_num_batched_tokens:
+        options["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.layer_split:
+        options["layer_split"] = args.layer_split
+    if args.no_prepack:
+        options["prepack_weights"] = False
+    for inflight in args.inflight:
+        print(json.dumps(run(inflight, args.dtype, options)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
