@@ -101,9 +101,10 @@ def prepack_stage(stage: nn.Module) -> int:
     that shares its storage with another parameter (an LM head tied to the embedding)
     is left alone: packing it would hold a second copy.
     """
-    params = list(stage.parameters())
-    if not params or not prepack_supported(params[0].dtype, params[0].device):
+    first = next(stage.parameters(), None)
+    if first is None or not prepack_supported(first.dtype, first.device):
         return 0
+    del first  # hold no reference: each plain weight is freed as soon as its module is replaced
     owners: dict[int, int] = {}  # storage -> how many modules hold it
     for module in stage.modules():
         for ptr in {p.data_ptr() for p in module.parameters(recurse=False)}:
@@ -112,11 +113,14 @@ def prepack_stage(stage: nn.Module) -> int:
         return weight is not None and owners.get(weight.data_ptr(), 0) == 1
 
     count = 0
-    for parent in list(stage.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and alone(child.weight):
+    # Parents only: a list holding the linears themselves would keep every plain weight alive.
+    for parent in [m for m in stage.modules() if not isinstance(m, nn.Linear)]:
+        for name in [n for n, c in parent.named_children() if isinstance(c, nn.Linear)]:
+            child = getattr(parent, name)
+            if alone(child.weight):
                 setattr(parent, name, PackedLinear(child))
                 count += 1
+            del child
         prepack = getattr(parent, "prepack", None)
         if callable(prepack) and alone(getattr(parent, "weight", None)) and prepack():
             count += 1
