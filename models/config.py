@@ -228,14 +228,24 @@ def shard_range(n: int, parts: int, index: int) -> tuple[int, int]:
 
 # Tokens that pass through the decoder layers per token sampled, the assumption
 # behind the default pipeline split: (prompt + output) / output of a typical chat
-# request, from the ShareGPT medians (prompt 106, answer 142 tokens), so about
-# 1.75. Serving is then decode-dominated, and the LM head, which runs once per
-# sampled token, weighs as much as several layers. Measured on this machine (PP2,
-# default model, 128 in / 64 out, an 8192-token budget): the split this gives,
-# (6, 2), beat (5, 3) by 2% and the equal (4, 4) by 31%. That workload has 3
-# tokens per sample, and with the pipeline's 512-token budget its own balanced
-# split, (5, 3), is the faster one (README, Throughput).
+# request, from the ShareGPT medians (prompt 106, answer 142 tokens), so about 1.75.
 TOKENS_PER_SAMPLE = 1.75
+
+# The split's cost model counts time, in units of one decode row through one decoder
+# layer. Measured on this project's machine (float32, packed weights, default model,
+# PP2; tools/bench_pipeline.py): a decode row costs 0.135 ms per layer (32-row
+# batches, attention over ~160 positions included); a prompt token in a 512-token
+# chunk 0.055 ms, since large matmuls run near the roof: PROMPT_TOKEN_COST. The LM head
+# costs 0.38 ms per sampled row, about half of what a layer would spend on as many
+# multiply-adds (one large matmul against seven small ones plus attention):
+# HEAD_MAC_COST. With them the default model's head is worth 2.2 layers on chat
+# traffic and 1.6 on the 128-in / 64-out benchmark, and both get the split (5, 3),
+# which measured fastest on both (README, Throughput): on 32 ShareGPT prompts (5, 3)
+# gave 290-326 output tok/s, (6, 2) 269-284 and (4, 4) 306-308; on the benchmark
+# (5, 3) 670 against 614 for (4, 4). Counting multiply-adds alone, as before, weighed
+# the head at 3.2 layers and chose (6, 2).
+PROMPT_TOKEN_COST = 0.41
+HEAD_MAC_COST = 0.51
 
 
 def layer_matmul_macs(args: LlamaArgs) -> int:
@@ -246,8 +256,15 @@ def layer_matmul_macs(args: LlamaArgs) -> int:
 
 
 def lm_head_layers(args: LlamaArgs, tokens_per_sample: float = TOKENS_PER_SAMPLE) -> float:
-    """The LM head's cost in decoder layers: its multiply-adds per sampled token over a layer's per sampled token."""
-    return args.hidden_size * args.vocab_size / (layer_matmul_macs(args) * tokens_per_sample)
+    """The LM head's cost in decoder layers: its time per sampled token over a layer's per sampled token.
+
+    A sampled token brings one decode row and `tokens_per_sample - 1` prompt tokens
+    through each layer (PROMPT_TOKEN_COST each); the head's multiply-adds count at
+    HEAD_MAC_COST of a layer's.
+    """
+    head = args.hidden_size * args.vocab_size / layer_matmul_macs(args) * HEAD_MAC_COST
+    prompt_tokens = max(0.0, tokens_per_sample - 1.0)
+    return head / (1.0 + prompt_tokens * PROMPT_TOKEN_COST)
 
 
 def split_layers(

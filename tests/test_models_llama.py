@@ -12,6 +12,8 @@ import models.config
 from actors.context import ActorContext
 from models.batch import ModelBatch, SequenceChunk
 from models.config import (
+    HEAD_MAC_COST,
+    PROMPT_TOKEN_COST,
     Layout,
     LlamaArgs,
     ModelConfigError,
@@ -230,8 +232,15 @@ def test_lm_head_weighs_its_matmul_against_a_layer_per_sampled_token():
     shape = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1408)
     args = LlamaArgs.from_dict({**TINY, **shape, "vocab_size": 32000, "num_hidden_layers": 8})
     assert layer_matmul_macs(args) == 512 * (2 * 512 + 2 * 256) + 3 * 512 * 1408
-    assert lm_head_layers(args, tokens_per_sample=1.0) == pytest.approx(512 * 32000 / layer_matmul_macs(args))
-    assert [len(r) for r in Layout(args, pp_size=2).stage_layers] == [6, 2]
+    head_macs = 512 * 32000 / layer_matmul_macs(args)
+    # Decode only: the head's multiply-adds at their measured relative cost.
+    assert lm_head_layers(args, tokens_per_sample=1.0) == pytest.approx(head_macs * HEAD_MAC_COST)
+    # Each sampled token also brings prompt tokens through the layers, which make the head weigh less.
+    assert lm_head_layers(args, tokens_per_sample=3.0) == pytest.approx(
+        head_macs * HEAD_MAC_COST / (1 + 2 * PROMPT_TOKEN_COST)
+    )
+    assert lm_head_layers(args) == pytest.approx(2.17, abs=0.01)  # chat traffic: 1.75 tokens per sample
+    assert [len(r) for r in Layout(args, pp_size=2).stage_layers] == [5, 3]
     assert [len(r) for r in Layout(args, pp_size=2, layer_split=(4, 4)).stage_layers] == [4, 4]
 
 
