@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from models.batch import ModelBatch, ModelOutput
 from models.config import Layout, ModelConfigError, check_layout, load_config, resolve_dtype
+from models.host_memory import keep_freed_memory as _keep_freed_memory
 from models.kv_cache import PagedKVCache
 from models.llama import LlamaStage
 from models.loader import load_stage
@@ -80,6 +81,9 @@ class LlamaWorker:
             blocks; default kv_cache_bytes on CPU, 0 (off) on GPU.
         prepack_weights: on CPU, reorder the linear weights once for oneDNN's matmul
             (models/prepack.py) instead of on every call; a no-op where unsupported.
+        keep_freed_memory: on CPU, have glibc keep freed memory in the process
+            (models/host_memory.py, process-wide), so each step's activations reuse
+            warm pages instead of faulting in fresh ones; the rank's RSS then stays at its peak.
     """
 
     def __init__(
@@ -96,6 +100,7 @@ class LlamaWorker:
         shm_allreduce: bool = True,
         kv_mirror_bytes: Optional[int] = None,
         prepack_weights: bool = True,
+        keep_freed_memory: bool = True,
     ) -> None:
         self.ctx = ctx
         self.where = f"rank (pp={ctx.pp}, tp={ctx.tp})"
@@ -130,6 +135,8 @@ class LlamaWorker:
         self.dist_timeout_s = dist_timeout_s
         self.shm_allreduce = shm_allreduce
         self.prepack_weights = bool(prepack_weights)
+        # Before the weights and KV cache are allocated, so those too come from the heap.
+        self.keeps_freed_memory = self.device.type == "cpu" and keep_freed_memory and _keep_freed_memory()
         self.num_packed = 0
         self.num_threads = num_threads or _default_threads(ctx.world_size)
         if self.device.type == "cpu":
@@ -378,6 +385,7 @@ class LlamaWorker:
             "kv_mirror_refilled_rows": mirror.refilled_rows if mirror is not None else 0,
             "kv_mirror_fallbacks": mirror.fallbacks if mirror is not None else 0,
             "packed_weights": self.num_packed,
+            "keeps_freed_memory": self.keeps_freed_memory,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
             "num_threads": self.num_threads,

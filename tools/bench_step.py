@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import time
 
@@ -32,7 +33,7 @@ from scheduling.scheduler import Scheduler
 PROFILED_STEPS = range(20, 40)
 
 
-def run(threads: int, cpus: list[int], dtype: str, kv_mirror_mb: int, profile: bool, prepack: bool = True) -> dict:
+def run(threads: int, cpus: list[int], dtype: str, kv_mirror_mb: int, profile: bool, prepack: bool = True, keep_memory: bool = True) -> dict:
     import prompt_sets
 
     os.sched_setaffinity(0, set(cpus))
@@ -40,7 +41,7 @@ def run(threads: int, cpus: list[int], dtype: str, kv_mirror_mb: int, profile: b
     worker = LlamaWorker(
         ctx, default_model_dir(), dtype=dtype, num_threads=threads,
         kv_cache_bytes=DEFAULT_KV_CACHE_BYTES, kv_mirror_bytes=kv_mirror_mb * 2**20,
-        prepack_weights=prepack,
+        prepack_weights=prepack, keep_freed_memory=keep_memory,
     )
     worker.init_distributed()
     info = worker.load_model()
@@ -78,11 +79,13 @@ def run(threads: int, cpus: list[int], dtype: str, kv_mirror_mb: int, profile: b
         "dtype": str(worker.dtype).removeprefix("torch."),
         "kv_mirror_mb": kv_mirror_mb,
         "packed_weights": info["packed_weights"],
+        "keeps_freed_memory": worker.keeps_freed_memory,
         "prefill_s": round(prefill_s, 3),
         "decode_steps": len(decode_s),
         "decode_ms_per_step": round(1e3 * statistics.median(decode_s), 1),
         "total_s": round(total, 3),
         "output_tokens_per_s": round(NUM_PROMPTS * OUTPUT_LEN / total, 1),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
     if profiler is not None:
         events = profiler.key_averages()
@@ -100,9 +103,10 @@ def main() -> None:
     parser.add_argument("--kv-mirror-mb", type=int, default=256, help="0: gather from the paged cache every step")
     parser.add_argument("--profile", action="store_true", help="op shares of decode steps 20-39")
     parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights (models/prepack.py off)")
+    parser.add_argument("--release-memory", action="store_true", help="glibc's default malloc (models/host_memory.py off)")
     args = parser.parse_args()
     cpus = args.cpu or list(range(args.threads))
-    line = run(args.threads, cpus, args.dtype, args.kv_mirror_mb, args.profile, prepack=not args.no_prepack)
+    line = run(args.threads, cpus, args.dtype, args.kv_mirror_mb, args.profile, prepack=not args.no_prepack, keep_memory=not args.release_memory)
     print(json.dumps(line), flush=True)
 
 
