@@ -93,6 +93,8 @@ class LLM:
             memory at most doubles), 0 on GPU; 0 turns it off.
         prepack_weights: on CPU, reorder every rank's linear weights once for oneDNN's
             matmul (models/prepack.py); True by default, a no-op where unsupported.
+        keep_freed_memory: on CPU, each rank's glibc keeps freed memory in the process
+            (models/host_memory.py): faster large steps, RSS stays at its peak.
         max_num_seqs, max_num_batched_tokens: the most sequences / tokens in one batch;
             the token budget defaults to 8192 with one stage and 512 with pp > 1
             (chunked prefill mixed into decode steps; see `default_max_num_batched_tokens`).
@@ -126,6 +128,7 @@ class LLM:
         block_size: int = 16,
         kv_mirror_bytes: Optional[int] = None,
         prepack_weights: bool = True,
+        keep_freed_memory: bool = True,
         max_num_seqs: int = 256,
         max_num_batched_tokens: Optional[int] = None,
         max_model_len: Optional[int] = None,
@@ -169,6 +172,8 @@ class LLM:
             worker_kwargs["kv_mirror_bytes"] = int(kv_mirror_bytes)
         if not prepack_weights:
             worker_kwargs["prepack_weights"] = False
+        if not keep_freed_memory:
+            worker_kwargs["keep_freed_memory"] = False
         if num_threads is not None:
             worker_kwargs["num_threads"] = int(num_threads)
         if layer_split is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import time
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 from actors import ActorDied, Fault, FaultPlan
 from scheduling import LLM, SamplingParams
+from models.prepack import prepack_supported
 from scheduling.llm import default_max_num_batched_tokens
 from tests.conftest import child_pids, wait_gone
 from tests.model_checkpoints import PROMPTS, TINY, build_checkpoint, reference_greedy, reference_model
@@ -27,6 +29,10 @@ NUM_BLOCKS = 7
 NEW_TOKENS = 8
 MANY_PROMPTS = PROMPTS + [[5, 6, 7, 8, 9, 10], list(range(100, 127)), [250, 3, 250, 3]]
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+
+
+def host_has_glibc() -> bool:
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
 
 def kv_bytes_for(num_blocks: int, tp: int, pp: int) -> int:
@@ -92,6 +98,11 @@ class TestLayout:
         assert llm.engine.peak_in_flight == llm.supervisor.pp_size
         assert llm.scheduler.block_manager.num_free_blocks == NUM_BLOCKS
         assert llm.scheduler.max_num_batched_tokens == default_max_num_batched_tokens(llm.supervisor.pp_size)
+        # Every rank ran with its linear weights packed and freed memory kept (the CPU defaults).
+        stats = llm.supervisor.collective_rpc("get_stats")
+        if prepack_supported(torch.float32, "cpu"):
+            assert all(s["packed_weights"] > 0 for s in stats)
+        assert all(s["keeps_freed_memory"] == host_has_glibc() for s in stats)
 
     def test_prompts_chunked_between_decode_steps_match_transformers(self, llm, reference):
         # A budget of 5 tokens splits every prompt over several steps, each sharing its
@@ -213,6 +224,18 @@ def test_default_model_with_text_prompts():
             assert out.text == tok.decode(out.token_ids, skip_special_tokens=True)
         single = llm.generate(prompts[0], SamplingParams(max_tokens=4, ignore_eos=True))
         assert [o.token_ids for o in single] == [outputs[0].token_ids]
+    assert not wait_gone(pids) and not child_pids()
+
+
+def test_plain_weights_and_default_malloc_give_the_same_tokens(reference):
+    """prepack_weights=False and keep_freed_memory=False reach every rank and change no token."""
+    path, expected, _ = reference
+    with LLM(path, tp=2, pp=1, block_size=BLOCK, prepack_weights=False, keep_freed_memory=False, start_timeout=120.0) as llm:
+        pids = llm.supervisor.pids
+        stats = llm.supervisor.collective_rpc("get_stats")
+        assert [(s["packed_weights"], s["keeps_freed_memory"]) for s in stats] == [(0, False), (0, False)]
+        outputs = llm.generate(MANY_PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert [o.token_ids for o in outputs] == expected
     assert not wait_gone(pids) and not child_pids()
 
 
