@@ -31,6 +31,9 @@ __all__ = ["Engine"]
 
 logger = logging.getLogger(__name__)
 
+# Batches kept in the engine's timeline (get_batch_trace).
+BATCH_TRACE_LEN = 4096
+
 
 class Engine:
     """Drives a `Scheduler` against a gang of `LlamaWorker`s.
@@ -53,6 +56,8 @@ class Engine:
             scheduler.num_groups = self.max_inflight
         self.step_timeout = step_timeout
         self._queue: collections.deque[tuple[ModelBatch, Future]] = collections.deque()
+        self._submitted: dict[int, tuple[float, int]] = {}  # batch id -> (when submitted, tokens)
+        self._trace: collections.deque = collections.deque(maxlen=BATCH_TRACE_LEN)
         self.num_batches = 0
         self.peak_in_flight = 0
         self.num_recoveries = 0
@@ -93,8 +98,10 @@ class Engine:
         return self._complete()
 
     def _submit(self, batch: ModelBatch) -> Future:
+        tokens = sum(len(c.token_ids) for c in batch.chunks)
         self.num_batches += 1
-        self.num_tokens += sum(len(c.token_ids) for c in batch.chunks)
+        self.num_tokens += tokens
+        self._submitted[batch.batch_id] = (time.perf_counter(), tokens)
         try:
             # critical: a rank failing mid-step leaves its peers inside a collective, so the gang is broken.
             return self.supervisor.submit("execute_model", args=(batch,), timeout=self.step_timeout, critical=True)
@@ -110,6 +117,7 @@ class Engine:
         try:
             output = future.result()
         except Exception as exc:
+            self._submitted.pop(batch.batch_id, None)
             self._queue.popleft()
             self.scheduler.requeue(batch)
             if not getattr(exc, "retryable", False):
@@ -118,6 +126,8 @@ class Engine:
             return []
         self._queue.popleft()
         start = time.perf_counter()
+        submitted, tokens = self._submitted.pop(batch.batch_id)
+        self._trace.append((batch.batch_id, submitted, start, len(batch.chunks), tokens))
         finished = self.scheduler.update(batch, output)
         self.update_seconds += time.perf_counter() - start
         return finished
@@ -129,6 +139,7 @@ class Engine:
         logger.warning("recomputing every running request after: %s", exc)
         while self._queue:
             batch, future = self._queue.popleft()
+            self._submitted.pop(batch.batch_id, None)
             try:
                 future.result()  # bounded by the call's deadline
             except Exception as late:  # noqa: BLE001 - dropped either way
@@ -140,13 +151,26 @@ class Engine:
         """Waits (bounded) for the batches still in flight, ignoring their results, and drops every request."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._queue:
-            _, future = self._queue.popleft()
+            batch, future = self._queue.popleft()
+            self._submitted.pop(batch.batch_id, None)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 future.result(timeout=left)
             except BaseException as exc:  # noqa: BLE001 - results of aborted work do not matter
                 logger.debug("aborted batch ended with %s", type(exc).__name__)
         return self.scheduler.abort_all()
+
+    def get_batch_trace(self, clear: bool = False) -> list[tuple[int, float, float, int, int]]:
+        """The last completed batches (at most BATCH_TRACE_LEN): (batch_id, submitted, result_seen, chunks, tokens).
+
+        Times are `time.perf_counter()` seconds, the clock of the ranks' `get_step_trace`;
+        result_seen is when the engine had the batch's output in hand. A batch with more
+        tokens than chunks carries a prompt chunk. clear=True empties the timeline.
+        """
+        trace = list(self._trace)
+        if clear:
+            self._trace.clear()
+        return trace
 
     def stats(self) -> dict[str, Any]:
         """Counters of this engine: batches, tokens fed, and the scheduler's own time."""

@@ -89,7 +89,16 @@ class TestLayout:
     def test_greedy_matches_transformers_across_batches_and_preemption(self, llm, reference):
         _, expected, _ = reference
         before = llm.scheduler.num_preemptions
+        llm.engine.get_batch_trace(clear=True)
+        counts = llm.engine.stats()
         outputs = llm.generate(MANY_PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        # The engine's timeline holds every batch of the run, each seen back after it was sent.
+        trace = llm.engine.get_batch_trace()
+        after = llm.engine.stats()
+        assert len(trace) == after["num_batches"] - counts["num_batches"]
+        assert sum(tokens for *_, tokens in trace) == after["num_tokens"] - counts["num_tokens"]
+        assert all(submitted <= seen for _, submitted, seen, _, _ in trace)
+        assert any(tokens > chunks for *_, chunks, tokens in trace) and any(tokens == chunks for *_, chunks, tokens in trace)
         assert llm.num_blocks == NUM_BLOCKS and llm.tokenizer is None
         assert [o.token_ids for o in outputs] == expected
         assert [o.prompt_token_ids for o in outputs] == MANY_PROMPTS

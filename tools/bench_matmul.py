@@ -18,7 +18,6 @@ import statistics
 import time
 
 import torch
-
 import torch.nn.functional as F
 
 from models.config import cpu_has_native_bf16

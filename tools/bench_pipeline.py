@@ -8,31 +8,32 @@ one JSON line per run:
   {"bench": "pipeline", "max_inflight": 2, "output_tokens_per_s": ..., "run_s": ...,
    "phases": {"prefill": {"batches": 18, "stage_ms_per_batch": [134, 94], ...},
               "decode": {...}},
-   "stage_idle_s": [...], "stage_recv_wait_s": [...], "driver_turnaround_ms": ...}
+   "stage_busy_s": [...], "stage_idle_s": [...], "driver_turnaround_ms": ...}
 
 "prefill" batches carry at least one prompt chunk (with the pipeline's 512-token
 budget they also carry decode rows), "decode" batches one token per sequence. Per
 stage: `stage_ms_per_batch` is compute (waiting for the previous stage left out),
-`idle_s` is time the stage was outside any step. `driver_turnaround_ms` is the
+`stage_idle_s` is time the stage was outside any step. `driver_turnaround_ms` is the
 median time from a batch's result reaching the driver to its next submit. The
-timelines come from `LlamaWorker.get_step_trace` (CLOCK_MONOTONIC, one clock for
-the host). Run it alone on the machine.
+timelines come from `LlamaWorker.get_step_trace` and `Engine.get_batch_trace`
+(CLOCK_MONOTONIC, one clock for the host). The layer split and token budget are the
+engine's defaults unless given. Run it alone on the machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import statistics
 import sys
 import time
-from concurrent.futures import Future
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
 
-from bench_throughput import CONFIGS, NUM_PROMPTS, OUTPUT_LEN, WARMUP, _workload, workload_layer_split  # noqa: E402
+from bench_throughput import CONFIGS, NUM_PROMPTS, OUTPUT_LEN, WARMUP, _workload  # noqa: E402
 
 
 def _phase_stats(batches: list[int], stages: list[dict]) -> dict:
@@ -53,44 +54,34 @@ def run(max_inflight: int, dtype: str, engine_options: dict) -> dict:
     from scheduling import LLM, SamplingParams
 
     options = {**CONFIGS["pp2"], "max_inflight": max_inflight, **engine_options}
-    options.setdefault("layer_split", workload_layer_split(options["pp"]))
     with LLM(model=None, dtype=dtype, **options) as llm:
         specs = _workload(llm.args.vocab_size)
         params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
         llm.generate([s.prompt_token_ids for s in specs[:WARMUP]], params)
         llm.supervisor.collective_rpc("get_step_trace", kwargs={"clear": True})
-        submitted: dict[int, tuple[float, bool]] = {}  # batch id -> (time, carries a prompt chunk)
-        done: dict[int, float] = {}
-        submit = llm.engine._submit
-
-        def traced_submit(batch) -> Future:
-            prompt = any(c.num_generated == 0 for c in batch.chunks)  # a prompt chunk
-            submitted[batch.batch_id] = (time.perf_counter(), prompt)
-            future = submit(batch)
-            future.add_done_callback(lambda _f, b=batch.batch_id: done.__setitem__(b, time.perf_counter()))
-            return future
-
-        llm.engine._submit = traced_submit
+        llm.engine.get_batch_trace(clear=True)
         t0 = time.perf_counter()
         llm.generate([s.prompt_token_ids for s in specs[WARMUP:]], params)
         t1 = time.perf_counter()
         raw = llm.supervisor.collective_rpc("get_step_trace")
+        batches = llm.engine.get_batch_trace()
         layer_split = list(llm.layer_split)
         budget = llm.scheduler.max_num_batched_tokens
     stages = [{b: (s, r, e) for b, s, r, e in rank} for rank in raw]  # one rank per stage
-    ids = sorted(submitted)
     run_s = t1 - t0
     phases = {}
-    for name, keep in (("prefill", True), ("decode", False)):
-        batches = [b for b in ids if submitted[b][1] == keep]
-        if batches:
-            phases[name] = _phase_stats(batches, stages)
+    for name, prompt in (("prefill", True), ("decode", False)):
+        # More tokens than chunks: some chunk is a prompt's (decode chunks hold one token).
+        ids = [b for b, _, _, chunks, tokens in batches if (tokens > chunks) == prompt]
+        if ids:
+            phases[name] = _phase_stats(ids, stages)
+    submits = sorted(submitted for _, submitted, _, _, _ in batches)
     turnaround = []
-    by_submit = sorted(ids, key=lambda b: submitted[b][0])
-    for b in ids:
-        later = next((c for c in by_submit if submitted[c][0] >= done[b]), None)
-        if later is not None:
-            turnaround.append(submitted[later][0] - done[b])
+    for _, _, seen, _, _ in batches:
+        later = bisect.bisect_left(submits, seen)
+        if later < len(submits):
+            turnaround.append(submits[later] - seen)
+    busy = [sum(e - s for s, _, e in stage.values()) for stage in stages]
     return {
         "bench": "pipeline",
         "pp": options["pp"],
@@ -101,10 +92,8 @@ def run(max_inflight: int, dtype: str, engine_options: dict) -> dict:
         "output_tokens_per_s": round((NUM_PROMPTS - WARMUP) * OUTPUT_LEN / run_s, 1),
         "run_s": round(run_s, 3),
         "phases": phases,
-        "stage_busy_s": [round(sum(e - s for b, (s, _, e) in st.items() if b in submitted), 3) for st in stages],
-        "stage_idle_s": [
-            round(run_s - sum(e - s for b, (s, _, e) in st.items() if b in submitted), 3) for st in stages
-        ],
+        "stage_busy_s": [round(b, 3) for b in busy],
+        "stage_idle_s": [round(run_s - b, 3) for b in busy],
         "driver_turnaround_ms": round(1e3 * statistics.median(turnaround), 2) if turnaround else None,
     }
 

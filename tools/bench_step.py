@@ -33,7 +33,10 @@ from scheduling.scheduler import Scheduler
 PROFILED_STEPS = range(20, 40)
 
 
-def run(threads: int, cpus: list[int], dtype: str, kv_mirror_mb: int, profile: bool, prepack: bool = True, keep_memory: bool = True) -> dict:
+def run(
+    threads: int, cpus: list[int], dtype: str, kv_mirror_mb: int, profile: bool,
+    prepack: bool = True, keep_memory: bool = True,
+) -> dict:
     import prompt_sets
 
     os.sched_setaffinity(0, set(cpus))
@@ -106,7 +109,10 @@ def main() -> None:
     parser.add_argument("--release-memory", action="store_true", help="glibc's default malloc (models/host_memory.py off)")
     args = parser.parse_args()
     cpus = args.cpu or list(range(args.threads))
-    line = run(args.threads, cpus, args.dtype, args.kv_mirror_mb, args.profile, prepack=not args.no_prepack, keep_memory=not args.release_memory)
+    line = run(
+        args.threads, cpus, args.dtype, args.kv_mirror_mb, args.profile,
+        prepack=not args.no_prepack, keep_memory=not args.release_memory,
+    )
     print(json.dumps(line), flush=True)
 
 

@@ -14,9 +14,8 @@ Usage:
     python tools/bench_throughput.py --dtype float32     # on a CPU without native bf16
 
 Engine options (--max-num-batched-tokens, --layer-split) apply to every engine
-configuration; the baseline ignores them. Without --layer-split a pipeline's layers
-are balanced for this workload's shape (see workload_layer_split), and the token
-budget is the engine's default (512 with pp > 1, 8192 otherwise).
+configuration; the baseline ignores them. Without them a pipeline gets the engine's
+default layer split and token budget (512 with pp > 1, 8192 otherwise).
 """
 
 from __future__ import annotations
@@ -71,27 +70,10 @@ def _result(name: str, options: dict, dtype: str, elapsed: float, startup: float
     }
 
 
-def workload_layer_split(pp: int) -> list[int]:
-    """Layers per stage balanced for this workload's shape, as a user who knows it would ask for.
-
-    The engine's default split assumes chat traffic (~1.75 tokens through the layers
-    per sampled token, models.config.TOKENS_PER_SAMPLE); here every request passes
-    INPUT_LEN + OUTPUT_LEN tokens for OUTPUT_LEN samples, so the LM head weighs less.
-    """
-    from models.config import load_config, lm_head_layers, split_layers
-    from models.default_model import default_model_dir
-
-    args = load_config(default_model_dir())
-    head = lm_head_layers(args, tokens_per_sample=(INPUT_LEN + OUTPUT_LEN) / OUTPUT_LEN)
-    return [len(r) for r in split_layers(args.num_hidden_layers, pp, None, head)]
-
-
 def run_engine(name: str, dtype: str, engine_options: dict) -> dict:
     from scheduling import LLM, SamplingParams
 
     options = {**CONFIGS[name], **engine_options}
-    if options["pp"] > 1 and "layer_split" not in options:
-        options["layer_split"] = workload_layer_split(options["pp"])
     t0 = time.perf_counter()
     with LLM(model=None, dtype=dtype, **options) as llm:
         startup = time.perf_counter() - t0
@@ -185,7 +167,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="the issue's workload is bfloat16; float32 where the CPU has no native bf16")
     parser.add_argument("--max-num-batched-tokens", type=int, help="the engine's token budget per batch")
-    parser.add_argument("--layer-split", type=int, nargs="+", metavar="N", help="decoder layers per stage (pp > 1; default balanced for this workload)")
+    parser.add_argument("--layer-split", type=int, nargs="+", metavar="N", help="decoder layers per stage (pp > 1; default the engine's)")
     parser.add_argument("--kv-mirror-mb", type=int, help="per rank, MiB of the dense decode KV copy (0: off; default the engine's)")
     parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights on the ranks (models/prepack.py off)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration here
