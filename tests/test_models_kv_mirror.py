@@ -69,6 +69,8 @@ class _Sim:
             k_new, v_new = torch.randn(len(seqs), HEADS, DIM), torch.randn(len(seqs), HEADS, DIM)
             kv.write(k_new, v_new, step.slot_mapping)
             ks, vs, mask, rows = kv.decode_kv(dec, k_new, v_new)
+            # Attention reads [length, head_dim] per (row, head) as one contiguous run.
+            assert ks.transpose(1, 2).stride()[2:] == (DIM, 1) and vs.transpose(1, 2).stride()[2:] == (DIM, 1)
             ref_k, ref_v = (t.clone() for t in kv.gather(dec.block_tables))
             rows = torch.arange(len(seqs)) if rows is None else rows
             for i, seq in enumerate(seqs):

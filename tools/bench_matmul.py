@@ -53,11 +53,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--packed", action="store_true", help="also F.linear with a plain and a packed weight")
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"],
+                        help="bf16 without native support can run at ~1 GFLOP/s: leave it out for big shapes")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     m, k, n = args.shape
     native = cpu_has_native_bf16()
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
         ops = ["mm"]
         if args.packed:
             ops += ["linear", "packed_linear"] if prepack_supported(dtype, "cpu") else ["linear"]
