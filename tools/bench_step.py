@@ -93,7 +93,7 @@ def run(
     if profiler is not None:
         events = profiler.key_averages()
         whole = sum(e.self_cpu_time_total for e in events)
-        top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:5]
+        top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
         line["profile"] = {e.key: round(e.self_cpu_time_total / whole, 3) for e in top}
     return line
 
