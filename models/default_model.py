@@ -33,16 +33,19 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
-import transformers
-from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, pre_tokenizers, processors, trainers
-from tokenizers import models as tokenizer_models
-from transformers import GenerationConfig, LlamaConfig
 
 from models.sharegpt import sharegpt_text
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import LlamaConfig
+
+# transformers, tokenizers and safetensors are imported only where a checkpoint is built:
+# `default_model_dir()` on a built cache runs in the driver before the ranks start, and
+# importing transformers there (about 1.5 s) would delay every start.
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +62,12 @@ UNK_ID, BOS_ID, EOS_ID, PAD_ID = range(len(SPECIAL_TOKENS))
 # About 10 M characters train a 32k vocabulary in ~2 s; the whole file takes ~20 s.
 TOKENIZER_TRAIN_CHARS = 10_000_000
 
-# transformers 5 renamed `torch_dtype` to `dtype` and warns about the old name.
-_DTYPE_KEY = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+
+def _dtype_key() -> str:
+    import transformers
+
+    # transformers 5 renamed `torch_dtype` to `dtype` and warns about the old name.
+    return "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
 
 
 # ----------------------------------------------------------------------------- config
@@ -68,6 +75,8 @@ _DTYPE_KEY = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "t
 
 def default_model_config() -> LlamaConfig:
     """The config of the built-in model: 8 layers of width 512, GQA 8/4, 32k vocab."""
+    from transformers import LlamaConfig
+
     return LlamaConfig(
         vocab_size=32000,
         hidden_size=512,
@@ -86,7 +95,7 @@ def default_model_config() -> LlamaConfig:
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
         architectures=["LlamaForCausalLM"],
-        **{_DTYPE_KEY: torch.bfloat16},
+        **{_dtype_key(): torch.bfloat16},
     )
 
 
@@ -185,7 +194,7 @@ def _tensor_seed(seed: int, name: str) -> int:
 
 
 def _config_dtype(config: LlamaConfig) -> torch.dtype:
-    dtype = getattr(config, _DTYPE_KEY, None)
+    dtype = getattr(config, _dtype_key(), None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
@@ -204,6 +213,9 @@ def write_checkpoint(
     tokenizer, its files. Useful for test checkpoints too: pass a tiny config with a
     large `initializer_range` (0.3) so greedy choices are not near-ties.
     """
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(directory)
@@ -231,6 +243,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 32000) -> Tokenizer:
     encoding prepends `<s>`. Byte-level means every text round-trips and `<unk>` is
     never produced. Training is deterministic for the same texts.
     """
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, processors, trainers
+    from tokenizers import models as tokenizer_models
+
     tokenizer = Tokenizer(tokenizer_models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

@@ -7,6 +7,8 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -154,6 +156,20 @@ def test_second_call_reuses_the_built_dir(model_dir: Path) -> None:
     assert time.perf_counter() - start < 0.5
     assert marker.stat().st_mtime_ns == before
     assert json.loads(marker.read_text())["build_seconds"] > 0
+
+
+def test_finding_the_built_dir_imports_no_checkpoint_writer(model_dir: Path) -> None:
+    # The driver calls default_model_dir() before it starts the ranks: importing
+    # transformers there (about 1.5 s) would delay every LLM(model=None).
+    code = (
+        "import sys; from models.default_model import default_model_dir; "
+        f"assert str(default_model_dir({str(model_dir.parent)!r})) == {str(model_dir)!r}; "
+        "print(sorted(m for m in ('transformers', 'tokenizers', 'safetensors') if m in sys.modules))"
+    )
+    repo = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_cache_env_var_selects_the_cache_folder(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
