@@ -140,6 +140,10 @@ class BaseGang:
         """Ranks whose last finished call is older than call_id."""
         raise NotImplementedError
 
+    def startup_death_hint(self, rank: int) -> str:
+        """What to add to the error of a rank that died before it reported ready ("" when nothing is known)."""
+        return ""
+
     def collect_stacks(self, ranks: list[int], settle: float = 0.3) -> dict[int, str]:
         """Python stacks of the given live ranks."""
         raise NotImplementedError
@@ -171,7 +175,8 @@ class BaseGang:
                     if rank in waiting and not waiting[rank].poll():
                         died = self.death_of(rank, during="startup")
                         raise ActorStartupError(
-                            f"worker {self.spec.worker!r} failed to start: {died}", rank=died.rank
+                            f"worker {self.spec.worker!r} failed to start: {died}{self.startup_death_hint(rank)}",
+                            rank=died.rank,
                         ) from died
                     continue
                 rank = next(r for r, c in waiting.items() if c is obj)
@@ -180,7 +185,8 @@ class BaseGang:
                 except (EOFError, OSError):
                     died = self.death_of(rank, during="startup")
                     raise ActorStartupError(
-                        f"worker {self.spec.worker!r} failed to start: {died}", rank=died.rank
+                        f"worker {self.spec.worker!r} failed to start: {died}{self.startup_death_hint(rank)}",
+                        rank=died.rank,
                     ) from died
                 assert call_id == READY_ID
                 coords = self.ranks.coords(rank)
@@ -343,6 +349,18 @@ class Gang(BaseGang):
 
     def unfinished(self, call_id: int) -> list[int]:
         return [rank for rank in range(self.ranks.world_size) if self.progress[rank] < call_id]
+
+    def startup_death_hint(self, rank: int) -> str:
+        # actor_main creates the stack file first: without it the process died while
+        # multiprocessing was still bootstrapping it, i.e. re-importing the parent's
+        # main module or unpickling the actor's spec.
+        if os.path.exists(self.stack_files[rank]):
+            return ""
+        return (
+            "; it died before the actor started (its traceback is on stderr). Spawned actors "
+            "re-import the parent's main module: a script must start the Supervisor (or LLM) "
+            "under `if __name__ == \"__main__\":`"
+        )
 
     def collect_stacks(self, ranks: list[int], settle: float = 0.3) -> dict[int, str]:
         # Dumped by faulthandler on SIGUSR1: works even while the actor holds the GIL in C code.

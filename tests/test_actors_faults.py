@@ -130,6 +130,40 @@ def test_bad_worker_spec_is_a_config_error():
         Supervisor("tests.workers.EchoWorker")
 
 
+UNGUARDED = textwrap.dedent(
+    """
+    from actors import Supervisor
+
+    with Supervisor("tests.workers:EchoWorker", start_timeout=30) as sup:
+        print("started", flush=True)
+    """
+)
+
+
+def test_a_script_without_a_main_guard_gets_told_why_its_actors_died(tmp_path):
+    # Spawned actors re-import the parent's main module; unguarded, that module starts a
+    # Supervisor inside a process still bootstrapping, and the process exits with code 1.
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode != 0 and "started" not in done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("actors.errors.ActorStartupError"), last
+    assert "died before the actor started" in last and 'if __name__ == "__main__":' in last
+
+
+def test_an_actor_that_exits_in_its_constructor_gets_no_main_guard_hint():
+    from actors import FaultPlan
+    from actors.faults import Fault
+
+    plan = FaultPlan([Fault((0, 1), "__init__", 1, "exit")])
+    with pytest.raises(ActorStartupError, match=r"pp=0, tp=1.*exited with code 1") as info:
+        Supervisor(WORKER, tp_size=2, fault_plan=plan)
+    assert "main module" not in str(info.value)
+    assert wait_gone(child_pids()) == []
+
+
 def test_unpicklable_worker_kwargs_raise_serialization_error():
     import threading
 
