@@ -129,11 +129,13 @@ def _resolve(worker: Any, method: Any) -> Any:
 def actor_main(spec: ActorSpec) -> None:
     """Entry point of an actor process."""
     _arm_parent_death(spec)
+    # Stacks on demand (SIGUSR1) for hang reports; tracebacks on a crash. The file's
+    # existence also tells the parent that this process got past multiprocessing's
+    # bootstrap (Gang.startup_death_hint), so it is created before anything that can fail.
+    stack_out = open(spec.stack_file, "a")
     os.environ.update(spec.env)
     if spec.cpus:
         os.sched_setaffinity(0, spec.cpus)
-    # Stacks on demand (SIGUSR1) for hang reports; tracebacks on a crash.
-    stack_out = open(spec.stack_file, "a")
     faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
     faulthandler.enable(file=sys.stderr)
     run_actor(spec, spec.conn, spec.health_conn, spec.progress)

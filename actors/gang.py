@@ -151,6 +151,12 @@ class BaseGang:
     def _stop(self, grace: float) -> None:
         raise NotImplementedError
 
+    def _raise_startup_death(self, rank: int) -> None:
+        died = self.death_of(rank, during="startup")
+        raise ActorStartupError(
+            f"worker {self.spec.worker!r} failed to start: {died}{self.startup_death_hint(rank)}", rank=died.rank
+        ) from died
+
     def _await_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         waiting = dict(enumerate(self.conns))
@@ -173,21 +179,13 @@ class BaseGang:
                 if isinstance(obj, int):
                     rank = by_sentinel[obj]
                     if rank in waiting and not waiting[rank].poll():
-                        died = self.death_of(rank, during="startup")
-                        raise ActorStartupError(
-                            f"worker {self.spec.worker!r} failed to start: {died}{self.startup_death_hint(rank)}",
-                            rank=died.rank,
-                        ) from died
+                        self._raise_startup_death(rank)
                     continue
                 rank = next(r for r, c in waiting.items() if c is obj)
                 try:
                     call_id, _, ok, payload = pickle.loads(obj.recv_bytes())
                 except (EOFError, OSError):
-                    died = self.death_of(rank, during="startup")
-                    raise ActorStartupError(
-                        f"worker {self.spec.worker!r} failed to start: {died}{self.startup_death_hint(rank)}",
-                        rank=died.rank,
-                    ) from died
+                    self._raise_startup_death(rank)
                 assert call_id == READY_ID
                 coords = self.ranks.coords(rank)
                 if not ok:

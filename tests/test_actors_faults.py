@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from actors import ActorDied, ActorStartupError, RemoteError, Supervisor
+from actors import ActorDied, ActorStartupError, FaultPlan, RemoteError, Supervisor
+from actors.faults import Fault
 from tests.conftest import child_pids, pid_alive, wait_gone
 
 WORKER = "tests.workers:EchoWorker"
@@ -154,9 +155,6 @@ def test_a_script_without_a_main_guard_gets_told_why_its_actors_died(tmp_path):
 
 
 def test_an_actor_that_exits_in_its_constructor_gets_no_main_guard_hint():
-    from actors import FaultPlan
-    from actors.faults import Fault
-
     plan = FaultPlan([Fault((0, 1), "__init__", 1, "exit")])
     with pytest.raises(ActorStartupError, match=r"pp=0, tp=1.*exited with code 1") as info:
         Supervisor(WORKER, tp_size=2, fault_plan=plan)

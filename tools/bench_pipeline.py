@@ -17,7 +17,10 @@ stage: `stage_ms_per_batch` is compute (waiting for the previous stage left out)
 median time from a batch's result reaching the driver to its next submit. The
 timelines come from `LlamaWorker.get_step_trace` and `Engine.get_batch_trace`
 (CLOCK_MONOTONIC, one clock for the host). The layer split and token budget are the
-engine's defaults unless given. Run it alone on the machine.
+engine's defaults unless given. `--config` runs another layout of
+tools/bench_throughput.py instead (once, with the engine's batches in flight); then
+the per-stage lists hold one entry per rank in global-rank order, e.g. TP2's two ranks
+of one stage. Run it alone on the machine.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
@@ -36,12 +40,13 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
 from bench_throughput import CONFIGS, NUM_PROMPTS, OUTPUT_LEN, WARMUP, _workload  # noqa: E402
 
 
-def _phase_stats(batches: list[int], stages: list[dict]) -> dict:
+def _phase_stats(batches: list[int], stages: list[dict], tp: int) -> dict:
     out: dict = {"batches": len(batches)}
     compute, waits = [], []
     for k, stage in enumerate(stages):
         work = [stage[b][2] - stage[b][1] for b in batches]
-        wait = [stage[b][1] - stage[b][0] for b in batches] if k else [0.0] * len(batches)
+        # Ranks of the first stage build their inputs; the others wait for hidden states.
+        wait = [stage[b][1] - stage[b][0] for b in batches] if k >= tp else [0.0] * len(batches)
         compute.append(round(1e3 * sum(work) / len(batches), 1))
         waits.append(round(sum(wait), 3))
     out["stage_ms_per_batch"] = compute
@@ -50,10 +55,12 @@ def _phase_stats(batches: list[int], stages: list[dict]) -> dict:
     return out
 
 
-def run(max_inflight: int, dtype: str, engine_options: dict) -> dict:
+def run(config: str, max_inflight: Optional[int], dtype: str, engine_options: dict) -> dict:
     from scheduling import LLM, SamplingParams
 
-    options = {**CONFIGS["pp2"], "max_inflight": max_inflight, **engine_options}
+    options = {**CONFIGS[config], **engine_options}
+    if max_inflight is not None:
+        options["max_inflight"] = max_inflight
     with LLM(model=None, dtype=dtype, **options) as llm:
         specs = _workload(llm.args.vocab_size)
         params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
@@ -67,14 +74,14 @@ def run(max_inflight: int, dtype: str, engine_options: dict) -> dict:
         batches = llm.engine.get_batch_trace()
         layer_split = list(llm.layer_split)
         budget = llm.scheduler.max_num_batched_tokens
-    stages = [{b: (s, r, e) for b, s, r, e in rank} for rank in raw]  # one rank per stage
+    stages = [{b: (s, r, e) for b, s, r, e in rank} for rank in raw]  # in global-rank order
     run_s = t1 - t0
     phases = {}
     for name, prompt in (("prefill", True), ("decode", False)):
         # More tokens than chunks: some chunk is a prompt's (decode chunks hold one token).
         ids = [b for b, _, _, chunks, tokens in batches if (tokens > chunks) == prompt]
         if ids:
-            phases[name] = _phase_stats(ids, stages)
+            phases[name] = _phase_stats(ids, stages, options["tp"])
     submits = sorted(submitted for _, submitted, _, _, _ in batches)
     turnaround = []
     for _, _, seen, _, _ in batches:
@@ -84,8 +91,10 @@ def run(max_inflight: int, dtype: str, engine_options: dict) -> dict:
     busy = [sum(e - s for s, _, e in stage.values()) for stage in stages]
     return {
         "bench": "pipeline",
+        "config": config,
+        "tp": options["tp"],
         "pp": options["pp"],
-        "max_inflight": max_inflight,
+        "max_inflight": max_inflight if max_inflight is not None else options["pp"],
         "dtype": dtype,
         "layer_split": layer_split,
         "max_num_batched_tokens": budget,
@@ -100,7 +109,8 @@ def run(max_inflight: int, dtype: str, engine_options: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--inflight", type=int, nargs="+", default=[2, 1], help="batches in flight, one run each")
+    parser.add_argument("--config", default="pp2", choices=["pp2", "tp1_1thread", "tp1_2threads", "tp2", "tp2pp2"])
+    parser.add_argument("--inflight", type=int, nargs="+", help="batches in flight, one run each (pp2: 2 and 1)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--layer-split", type=int, nargs="+", metavar="N")
@@ -113,8 +123,9 @@ def main() -> None:
         options["layer_split"] = args.layer_split
     if args.no_prepack:
         options["prepack_weights"] = False
-    for inflight in args.inflight:
-        print(json.dumps(run(inflight, args.dtype, options)), flush=True)
+    inflights = args.inflight or ([2, 1] if args.config == "pp2" else [None])
+    for inflight in inflights:
+        print(json.dumps(run(args.config, inflight, args.dtype, options)), flush=True)
 
 
 if __name__ == "__main__":
