@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
+from models import decode_attention
 from models.kv_mirror import KVMirror
 
 if TYPE_CHECKING:
@@ -51,13 +52,20 @@ class LayerKV:
     """The key and value blocks of one layer."""
 
     def __init__(
-        self, k: torch.Tensor, v: torch.Tensor, workspace: _Workspace, mirror: Optional[KVMirror] = None, index: int = 0
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        workspace: _Workspace,
+        mirror: Optional[KVMirror] = None,
+        index: int = 0,
+        decode_kernel: bool = False,
     ) -> None:
         self.k = k
         self.v = v
         self.workspace = workspace
         self.mirror = mirror
         self.index = index  # this layer's place in the cache (and the mirror)
+        self.decode_kernel = decode_kernel and mirror is not None
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Stores k, v [T, kv_heads, head_dim] at flat slots [T]."""
@@ -76,6 +84,24 @@ class LayerKV:
         torch.index_select(self.k, 0, flat, out=k)
         torch.index_select(self.v, 0, flat, out=v)
         return k.view(b, nb * block_size, heads, dim), v.view(b, nb * block_size, heads, dim)
+
+    def decode_attention(
+        self, decode: "DecodeGroup", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> Optional[torch.Tensor]:
+        """A decode group's attention output [B, kv_heads, groups, head_dim] by the fused kernel (call after `write`).
+
+        q [B, kv_heads, groups, head_dim]: the group's queries in batch order; k, v as for
+        `decode_kv`. None when the kernel does not serve this step (no mirror plan, kernel
+        off or unavailable): the caller attends `decode_kv`'s tensors with SDPA.
+        """
+        plan = decode.mirror
+        # The kernel has no backward: a query that needs gradients goes through SDPA.
+        if plan is None or not self.decode_kernel or q.requires_grad or not decode_attention.supports(self.k):
+            return None
+        assert self.mirror is not None
+        self.mirror.layer_kv(plan, self.index, self.k, self.v, k[decode.rows], v[decode.rows])
+        k_buf, v_buf = plan.entry.storage[self.index]  # [rows, kv_heads, len_cap, head_dim] each
+        return decode_attention.mirror_decode_attention(q, k_buf, v_buf, plan.rows, plan.counts, scale)
 
     def decode_kv(
         self, decode: "DecodeGroup", k: torch.Tensor, v: torch.Tensor
@@ -110,6 +136,7 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         mirror_bytes: int = 0,
         mirror_entries: int = 1,
+        decode_kernel: bool = True,
     ) -> None:
         self.layer_ids = list(layers)
         self.num_blocks = num_blocks
@@ -124,7 +151,7 @@ class PagedKVCache:
             else None
         )
         self._layers = {
-            layer: LayerKV(self.storage[i, 0], self.storage[i, 1], workspace, self.mirror, i)
+            layer: LayerKV(self.storage[i, 0], self.storage[i, 1], workspace, self.mirror, i, decode_kernel)
             for i, layer in enumerate(self.layer_ids)
         }
 

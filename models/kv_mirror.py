@@ -89,6 +89,7 @@ class MirrorPlan:
     entry: _Entry
     rows: torch.Tensor  # [B] long: the entry row of each decode sequence, in batch order
     positions: torch.Tensor  # [B] long: the position each sequence writes this step
+    counts: torch.Tensor  # [B] long: keys each sequence attends this step (position + 1)
     # Rows to copy from the paged cache before attending: (row, block ids [n]).
     refills: list[tuple[int, torch.Tensor]]
     span: int  # rows [0, span) are attended
@@ -212,6 +213,7 @@ class KVMirror:
             entry=entry,
             rows=row_ids,
             positions=torch.tensor(list(positions), dtype=torch.long, device=self.device),
+            counts=torch.tensor([p + 1 for p in positions], dtype=torch.long, device=self.device),
             refills=refills,
             span=span,
             length=length,

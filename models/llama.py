@@ -177,16 +177,19 @@ class Attention(nn.Module):
             # query dimension, so the keys are attended without being repeated per head.
             dec = step.decode
             b, groups = dec.rows.shape[0], self.n_heads // self.n_kv_heads
-            ks, vs, mask, rows = cache.decode_kv(dec, k, v)
             qs = q[dec.rows].view(b, self.n_kv_heads, groups, hd)
-            if rows is not None:
-                # Cached rows are not in batch order: place each query at its sequence's row.
-                q_rows = qs.new_zeros((ks.shape[0], *qs.shape[1:]))
-                q_rows[rows] = qs
-                qs = q_rows
-            o = attend(qs, ks.transpose(1, 2), vs.transpose(1, 2), self.scale, mask=mask)
-            if rows is not None:
-                o = o[rows]
+            # The fused kernel over the KV mirror where it serves (models/decode_attention.py).
+            o = cache.decode_attention(dec, qs, k, v, self.scale)
+            if o is None:
+                ks, vs, mask, rows = cache.decode_kv(dec, k, v)
+                if rows is not None:
+                    # Cached rows are not in batch order: place each query at its sequence's row.
+                    q_rows = qs.new_zeros((ks.shape[0], *qs.shape[1:]))
+                    q_rows[rows] = qs
+                    qs = q_rows
+                o = attend(qs, ks.transpose(1, 2), vs.transpose(1, 2), self.scale, mask=mask)
+                if rows is not None:
+                    o = o[rows]
             out[dec.rows] = o.reshape(b, self.n_heads, hd)
         return self.o_proj(out.view(t, self.n_heads * hd))
 

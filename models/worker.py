@@ -81,6 +81,9 @@ class LlamaWorker:
             blocks; default kv_cache_bytes on CPU, 0 (off) on GPU.
         prepack_weights: on CPU, reorder the linear weights once for oneDNN's matmul
             (models/prepack.py) instead of on every call; a no-op where unsupported.
+        decode_kernel: attend decode steps over the KV mirror with the numba kernel of
+            models/decode_attention.py (float32 and bfloat16 on CPU); False, or where numba
+            is missing, keeps SDPA.
         keep_freed_memory: on CPU, have glibc keep freed memory in the process
             (models/host_memory.py, process-wide), so each step's activations reuse
             warm pages instead of faulting in fresh ones; the rank's RSS then stays at its peak.
@@ -101,6 +104,7 @@ class LlamaWorker:
         kv_mirror_bytes: Optional[int] = None,
         prepack_weights: bool = True,
         keep_freed_memory: bool = True,
+        decode_kernel: bool = True,
     ) -> None:
         self.ctx = ctx
         self.where = f"rank (pp={ctx.pp}, tp={ctx.tp})"
@@ -135,6 +139,7 @@ class LlamaWorker:
         self.dist_timeout_s = dist_timeout_s
         self.shm_allreduce = shm_allreduce
         self.prepack_weights = bool(prepack_weights)
+        self.decode_kernel = bool(decode_kernel)
         # Before the weights and KV cache are allocated, so those too come from the heap.
         self.keeps_freed_memory = self.device.type == "cpu" and keep_freed_memory and _keep_freed_memory()
         self.num_packed = 0
@@ -213,6 +218,7 @@ class LlamaWorker:
             self.device,
             mirror_bytes=self.kv_mirror_bytes,
             mirror_entries=self.ctx.pp_size,  # one per batch group in flight
+            decode_kernel=self.decode_kernel,
         )
         self.load_seconds = time.perf_counter() - start
         logger.info(

@@ -93,6 +93,9 @@ class LLM:
             memory at most doubles), 0 on GPU; 0 turns it off.
         prepack_weights: on CPU, reorder every rank's linear weights once for oneDNN's
             matmul (models/prepack.py); True by default, a no-op where unsupported.
+        decode_kernel: on CPU, decode attention over the KV mirror runs in one numba
+            kernel per layer (models/decode_attention.py) instead of SDPA; True by default,
+            SDPA where numba is missing.
         keep_freed_memory: on CPU, each rank's glibc keeps freed memory in the process
             (models/host_memory.py): faster large steps, RSS stays at its peak.
         max_num_seqs, max_num_batched_tokens: the most sequences / tokens in one batch;
@@ -128,6 +131,7 @@ class LLM:
         block_size: int = 16,
         kv_mirror_bytes: Optional[int] = None,
         prepack_weights: bool = True,
+        decode_kernel: bool = True,
         keep_freed_memory: bool = True,
         max_num_seqs: int = 256,
         max_num_batched_tokens: Optional[int] = None,
@@ -174,6 +178,8 @@ class LLM:
             worker_kwargs["prepack_weights"] = False
         if not keep_freed_memory:
             worker_kwargs["keep_freed_memory"] = False
+        if not decode_kernel:
+            worker_kwargs["decode_kernel"] = False
         if num_threads is not None:
             worker_kwargs["num_threads"] = int(num_threads)
         if layer_split is not None:

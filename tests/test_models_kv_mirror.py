@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from models import decode_attention
 from models.batch import ModelBatch, SequenceChunk
 from models.kv_cache import PagedKVCache
 from models.llama import attend
@@ -83,6 +84,11 @@ class _Sim:
             q_rows[rows] = q
             got = attend(q_rows, ks.transpose(1, 2), vs.transpose(1, 2), 0.3, mask=mask)[rows]
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            if decode_attention.available():
+                # The fused kernel reads the same rows, in batch order, without the padding mask.
+                fused = kv.decode_attention(dec, q, k_new, v_new, 0.3)
+                assert fused is not None
+                torch.testing.assert_close(fused, want, rtol=1e-5, atol=1e-6)
         if commit:
             self.cache.end_step(step)
             for seq in seqs:

@@ -115,6 +115,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--layer-split", type=int, nargs="+", metavar="N")
     parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights (models/prepack.py off)")
+    parser.add_argument("--no-decode-kernel", action="store_true", help="SDPA for decode attention (models/decode_attention.py off)")
     args = parser.parse_args()
     options: dict = {}
     if args.max_num_batched_tokens:
@@ -123,6 +124,8 @@ def main() -> None:
         options["layer_split"] = args.layer_split
     if args.no_prepack:
         options["prepack_weights"] = False
+    if args.no_decode_kernel:
+        options["decode_kernel"] = False
     inflights = args.inflight or ([2, 1] if args.config == "pp2" else [None])
     for inflight in inflights:
         print(json.dumps(run(args.config, inflight, args.dtype, options)), flush=True)

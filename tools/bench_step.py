@@ -35,7 +35,7 @@ PROFILED_STEPS = range(20, 40)
 
 def run(
     threads: int, cpus: list[int], dtype: str, kv_mirror_mb: int, profile: bool,
-    prepack: bool = True, keep_memory: bool = True,
+    prepack: bool = True, keep_memory: bool = True, decode_kernel: bool = True,
 ) -> dict:
     import prompt_sets
 
@@ -44,7 +44,7 @@ def run(
     worker = LlamaWorker(
         ctx, default_model_dir(), dtype=dtype, num_threads=threads,
         kv_cache_bytes=DEFAULT_KV_CACHE_BYTES, kv_mirror_bytes=kv_mirror_mb * 2**20,
-        prepack_weights=prepack, keep_freed_memory=keep_memory,
+        prepack_weights=prepack, keep_freed_memory=keep_memory, decode_kernel=decode_kernel,
     )
     worker.init_distributed()
     info = worker.load_model()
@@ -82,6 +82,7 @@ def run(
         "dtype": str(worker.dtype).removeprefix("torch."),
         "kv_mirror_mb": kv_mirror_mb,
         "packed_weights": info["packed_weights"],
+        "decode_kernel": decode_kernel,
         "keeps_freed_memory": worker.keeps_freed_memory,
         "prefill_s": round(prefill_s, 3),
         "decode_steps": len(decode_s),
@@ -106,12 +107,13 @@ def main() -> None:
     parser.add_argument("--kv-mirror-mb", type=int, default=256, help="0: gather from the paged cache every step")
     parser.add_argument("--profile", action="store_true", help="op shares of decode steps 20-39")
     parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights (models/prepack.py off)")
+    parser.add_argument("--no-decode-kernel", action="store_true", help="SDPA for decode attention (models/decode_attention.py off)")
     parser.add_argument("--release-memory", action="store_true", help="glibc's default malloc (models/host_memory.py off)")
     args = parser.parse_args()
     cpus = args.cpu or list(range(args.threads))
     line = run(
         args.threads, cpus, args.dtype, args.kv_mirror_mb, args.profile,
-        prepack=not args.no_prepack, keep_memory=not args.release_memory,
+        prepack=not args.no_prepack, keep_memory=not args.release_memory, decode_kernel=not args.no_decode_kernel,
     )
     print(json.dumps(line), flush=True)
 

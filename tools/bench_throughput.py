@@ -157,6 +157,8 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
         out += ["--kv-mirror-mb", str(args.kv_mirror_mb)]
     if args.no_prepack:
         out.append("--no-prepack")
+    if args.no_decode_kernel:
+        out.append("--no-decode-kernel")
     return out
 
 
@@ -170,6 +172,7 @@ def main() -> None:
     parser.add_argument("--layer-split", type=int, nargs="+", metavar="N", help="decoder layers per stage (pp > 1; default the engine's)")
     parser.add_argument("--kv-mirror-mb", type=int, help="per rank, MiB of the dense decode KV copy (0: off; default the engine's)")
     parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights on the ranks (models/prepack.py off)")
+    parser.add_argument("--no-decode-kernel", action="store_true", help="SDPA for decode attention (models/decode_attention.py off)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration here
     args = parser.parse_args()
     engine_options: dict = {}
@@ -179,6 +182,8 @@ def main() -> None:
         engine_options["kv_mirror_bytes"] = args.kv_mirror_mb * 2**20
     if args.no_prepack:
         engine_options["prepack_weights"] = False
+    if args.no_decode_kernel:
+        engine_options["decode_kernel"] = False
     if args.one:
         if args.layer_split and CONFIGS.get(args.one, {}).get("pp", 1) > 1:
             engine_options["layer_split"] = args.layer_split

@@ -50,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="per rank, MiB for the dense decode copy of keys/values kept across steps (default: --kv-cache-mb on CPU; 0: off)",
     )
     parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights on the ranks (models/prepack.py off)")
+    parser.add_argument("--no-decode-kernel", action="store_true", help="SDPA for decode attention (models/decode_attention.py off)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument(
         "--max-num-batched-tokens",
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
         kv_cache_bytes=args.kv_cache_mb * 2**20,
         kv_mirror_bytes=args.kv_mirror_mb * 2**20 if args.kv_mirror_mb is not None else None,
         prepack_weights=not args.no_prepack,
+        decode_kernel=not args.no_decode_kernel,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         step_timeout=args.step_timeout,

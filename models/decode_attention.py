@@ -1,0 +1,145 @@
+"""Decode attention over the KV mirror in one pass, compiled with numba.
+
+A decode step attends one query per sequence (per query head) over that sequence's
+whole context. `F.scaled_dot_product_attention` on CPU runs that as a flash kernel
+built for long query blocks: with a handful of query rows per kv head, its tiny
+GEMM calls and the padded mask cost more than reading the keys and values. Here
+each (sequence, kv head) is one task that reads its keys once (every query head of
+the group scores against each key while it is in cache), takes a softmax in
+float32 over the scores, and reads its values once: on one thread of this
+project's AMD machine that is 2.5 ms a layer against SDPA's 3.9 over the throughput
+workload's decode step (float32, 64 sequences, 176 positions; `tools/bench_attention.py`).
+
+Inputs are the mirror's own buffers ([rows, kv_heads, len_cap, head_dim], each
+(row, head) a contiguous run) with each sequence's row and key count, so there is
+no padding to scatter queries into and no mask. bfloat16 keys and values are
+widened to float32 a row at a time; the scores, softmax and sums are float32 in
+either dtype, as SDPA's CPU kernel computes them.
+
+numba is imported and the kernel compiled (or loaded from numba's cache) on first
+use; where numba is missing or the kernel cannot be built, `available()` is False
+and callers keep SDPA.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["available", "mirror_decode_attention", "supports"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _build() -> Optional[dict[torch.dtype, Callable[..., None]]]:
+    try:
+        from models import decode_attention_kernels as kern
+    except ImportError as exc:
+        logger.info("numba unavailable (%s): decode attention uses SDPA", exc)
+        return None
+    kernels = {torch.float32: kern.attend_float32, torch.bfloat16: kern.attend_bfloat16}
+    try:
+        # Compile (or load from cache) and check both now, so a broken toolchain falls back once, here.
+        for dtype in _DTYPES:
+            q = torch.randn(2, 2, 2, 8)
+            kv = torch.randn(2, 3, 2, 5, 8).to(dtype)
+            rows, counts = torch.tensor([2, 0]), torch.tensor([5, 3])
+            got = _run(kernels[dtype], q, kv[0], kv[1], rows, counts, 0.3)
+            want = _reference(q, kv[0], kv[1], rows, counts, 0.3)
+            if not torch.allclose(got, want, atol=1e-5, rtol=1e-4):
+                raise RuntimeError(f"the {dtype} kernel differs from SDPA by {(got - want).abs().max().item()}")
+    except Exception as exc:  # noqa: BLE001 - any failure to build means "use SDPA"
+        logger.warning("decode attention kernel unavailable (%s): using SDPA", exc)
+        return None
+    return kernels
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> Optional[dict[torch.dtype, Callable[..., None]]]:
+    return _build()
+
+
+def available() -> bool:
+    """Whether the kernel can run here (imports numba and compiles on the first call)."""
+    return _kernels() is not None
+
+
+def supports(like: torch.Tensor) -> bool:
+    """Whether the kernel can attend keys like `like` (CPU, float32 or bfloat16, numba built)."""
+    return like.device.type == "cpu" and like.dtype in _DTYPES and available()
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _run(
+    kernel: Callable[..., None],
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    rows: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    import numba
+    import numpy as np
+
+    out = torch.empty(q.shape, dtype=torch.float32)
+    # The rank's torch thread count is its share of cores; numba's pool follows it.
+    numba.set_num_threads(min(_threads(), numba.config.NUMBA_NUM_THREADS))
+    as_np: Callable[[torch.Tensor], Any] = (
+        (lambda t: t.view(torch.int16).numpy().view(np.uint16)) if k_buf.dtype == torch.bfloat16 else (lambda t: t.numpy())
+    )
+    kernel(
+        q.float().contiguous().numpy(),
+        as_np(k_buf),
+        as_np(v_buf),
+        rows.numpy(),
+        counts.numpy(),
+        np.float32(scale),
+        out.numpy(),
+    )
+    return out
+
+
+def _reference(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, scale: float
+) -> torch.Tensor:
+    length = int(counts.max())
+    k, v = k_buf[rows, :, :length].float(), v_buf[rows, :, :length].float()
+    mask = (torch.arange(length)[None, :] < counts[:, None])[:, None, None, :]
+    return torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, attn_mask=mask, scale=scale)
+
+
+def mirror_decode_attention(
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    rows: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+) -> Optional[torch.Tensor]:
+    """softmax(q k^T * scale) v for each sequence over its first `counts[i]` keys; None where the kernel cannot run.
+
+    q [B, kv_heads, groups, head_dim]: sequence i's query heads, grouped by the kv head
+    they share. k_buf, v_buf [R, kv_heads, len_cap, head_dim], contiguous CPU tensors:
+    sequence i's keys are k_buf[rows[i], :, :counts[i]]. rows, counts: [B] int64 on CPU,
+    1 <= counts[i] <= len_cap. Returns [B, kv_heads, groups, head_dim] in q's dtype (None, too,
+    for a query that requires grad: the kernel has no backward).
+    """
+    kernels = _kernels()
+    if kernels is None or not supports(k_buf) or q.requires_grad:
+        return None  # no backward here
+    if not (k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape == v_buf.shape):
+        return None
+    if q.dim() != 4 or q.shape[1] != k_buf.shape[1] or q.shape[3] != k_buf.shape[3] or q.shape[0] != rows.shape[0]:
+        raise ValueError(
+            f"decode attention: queries {tuple(q.shape)} do not match keys {tuple(k_buf.shape)} and {rows.shape[0]} rows"
+        )
+    return _run(kernels[k_buf.dtype], q, k_buf, v_buf, rows, counts, scale).to(q.dtype)
