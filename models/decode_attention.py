@@ -16,6 +16,13 @@ no padding to scatter queries into and no mask. bfloat16 keys and values are
 widened to float32 a row at a time; the scores, softmax and sums are float32 in
 either dtype, as SDPA's CPU kernel computes them.
 
+A rank with one torch thread runs every task on its own thread; one with more splits
+them over numba's pool, as many ways as it has torch threads. One-thread ranks never
+start that pool: it is an OpenMP pool in the same runtime as torch's, and starting it
+reset the rank's torch thread count to the machine's core count (four one-thread
+ranks on two cores then ran eight threads, and TP2xPP2 fell from 584 to 89 output
+tokens/s; `tests/test_models_decode_attention.py` checks the count is kept).
+
 numba is imported and the kernel compiled (or loaded from numba's cache) on first
 use; where numba is missing or the kernel cannot be built, `available()` is False
 and callers keep SDPA.
@@ -36,7 +43,24 @@ logger = logging.getLogger(__name__)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _build() -> Optional[dict[torch.dtype, Callable[..., None]]]:
+_Kernel = Callable[..., None]
+
+
+def _check(run: Callable[[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    # Compiles (or loads from numba's cache) and checks a kernel pair now, so a broken toolchain fails once, here.
+    for dtype in _DTYPES:
+        q = torch.randn(2, 2, 2, 8)
+        kv = torch.randn(2, 3, 2, 5, 8).to(dtype)
+        rows, counts = torch.tensor([2, 0]), torch.tensor([5, 3])
+        got = run(dtype, q, kv[0], kv[1], rows, counts)
+        want = _reference(q, kv[0], kv[1], rows, counts, 0.3)
+        if not torch.allclose(got, want, atol=1e-5, rtol=1e-4):
+            raise RuntimeError(f"the {dtype} kernel differs from SDPA by {(got - want).abs().max().item()}")
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> Optional[dict[torch.dtype, _Kernel]]:
+    """The one-thread kernels by dtype; None where numba is missing or they fail their check."""
     try:
         from models import decode_attention_kernels as kern
     except ImportError as exc:
@@ -44,15 +68,7 @@ def _build() -> Optional[dict[torch.dtype, Callable[..., None]]]:
         return None
     kernels = {torch.float32: kern.attend_float32, torch.bfloat16: kern.attend_bfloat16}
     try:
-        # Compile (or load from cache) and check both now, so a broken toolchain falls back once, here.
-        for dtype in _DTYPES:
-            q = torch.randn(2, 2, 2, 8)
-            kv = torch.randn(2, 3, 2, 5, 8).to(dtype)
-            rows, counts = torch.tensor([2, 0]), torch.tensor([5, 3])
-            got = _run(kernels[dtype], q, kv[0], kv[1], rows, counts, 0.3)
-            want = _reference(q, kv[0], kv[1], rows, counts, 0.3)
-            if not torch.allclose(got, want, atol=1e-5, rtol=1e-4):
-                raise RuntimeError(f"the {dtype} kernel differs from SDPA by {(got - want).abs().max().item()}")
+        _check(lambda dtype, *a: _run(kernels[dtype], 1, *a, 0.3))
     except Exception as exc:  # noqa: BLE001 - any failure to build means "use SDPA"
         logger.warning("decode attention kernel unavailable (%s): using SDPA", exc)
         return None
@@ -60,8 +76,21 @@ def _build() -> Optional[dict[torch.dtype, Callable[..., None]]]:
 
 
 @functools.lru_cache(maxsize=1)
-def _kernels() -> Optional[dict[torch.dtype, Callable[..., None]]]:
-    return _build()
+def _parallel_kernels() -> Optional[dict[torch.dtype, _Kernel]]:
+    """The thread-pool kernels by dtype, built on the first call from a rank with several threads.
+
+    None where they cannot run (the one-thread kernels serve then). A rank with one
+    thread never builds them, so it never starts numba's pool.
+    """
+    from models import decode_attention_kernels as kern
+
+    kernels = {torch.float32: kern.attend_float32_parallel, torch.bfloat16: kern.attend_bfloat16_parallel}
+    try:
+        _check(lambda dtype, *a: _run(kernels[dtype], 2, *a, 0.3))
+    except Exception as exc:  # noqa: BLE001 - fall back to one thread
+        logger.warning("parallel decode attention kernel unavailable (%s): attending on one thread", exc)
+        return None
+    return kernels
 
 
 def available() -> bool:
@@ -74,12 +103,9 @@ def supports(like: torch.Tensor) -> bool:
     return like.device.type == "cpu" and like.dtype in _DTYPES and available()
 
 
-def _threads() -> int:
-    return max(1, torch.get_num_threads())
-
-
 def _run(
-    kernel: Callable[..., None],
+    kernel: _Kernel,
+    parts: int,
     q: torch.Tensor,
     k_buf: torch.Tensor,
     v_buf: torch.Tensor,
@@ -87,24 +113,27 @@ def _run(
     counts: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
+    """Runs `kernel` on every task: on this thread (parts == 1), else as `parts` ranges on numba's pool."""
     import numba
     import numpy as np
 
     out = torch.empty(q.shape, dtype=torch.float32)
-    # The rank's torch thread count is its share of cores; numba's pool follows it.
-    numba.set_num_threads(min(_threads(), numba.config.NUMBA_NUM_THREADS))
     as_np: Callable[[torch.Tensor], Any] = (
         (lambda t: t.view(torch.int16).numpy().view(np.uint16)) if k_buf.dtype == torch.bfloat16 else (lambda t: t.numpy())
     )
-    kernel(
-        q.float().contiguous().numpy(),
-        as_np(k_buf),
-        as_np(v_buf),
-        rows.numpy(),
-        counts.numpy(),
-        np.float32(scale),
-        out.numpy(),
-    )
+    args = (q.float().contiguous().numpy(), as_np(k_buf), as_np(v_buf), rows.numpy(), counts.numpy(), np.float32(scale), out.numpy())
+    if parts == 1:
+        kernel(*args, 0, q.shape[0] * q.shape[1])
+        return out
+    # numba's OpenMP pool is the same runtime as torch's (one libgomp per process), and
+    # starting or using it can change torch's thread count: put it back.
+    threads = torch.get_num_threads()
+    numba.set_num_threads(parts)
+    try:
+        kernel(*args, parts)
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
     return out
 
 
@@ -133,8 +162,7 @@ def mirror_decode_attention(
     1 <= counts[i] <= len_cap. Returns [B, kv_heads, groups, head_dim] in q's dtype (None, too,
     for a query that requires grad: the kernel has no backward).
     """
-    kernels = _kernels()
-    if kernels is None or not supports(k_buf) or q.requires_grad:
+    if not supports(k_buf) or q.requires_grad:
         return None  # no backward here
     if not (k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape == v_buf.shape):
         return None
@@ -142,4 +170,10 @@ def mirror_decode_attention(
         raise ValueError(
             f"decode attention: queries {tuple(q.shape)} do not match keys {tuple(k_buf.shape)} and {rows.shape[0]} rows"
         )
-    return _run(kernels[k_buf.dtype], q, k_buf, v_buf, rows, counts, scale).to(q.dtype)
+    import numba
+
+    # The rank's torch thread count is its share of cores; the kernel uses as many.
+    parts = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    pool = _parallel_kernels() if parts > 1 else None
+    kernel = pool[k_buf.dtype] if pool is not None else _kernels()[k_buf.dtype]  # type: ignore[index]
+    return _run(kernel, parts if pool is not None else 1, q, k_buf, v_buf, rows, counts, scale).to(q.dtype)
