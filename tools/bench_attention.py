@@ -7,6 +7,7 @@ row of 208, 8 layers. One JSON line per case, milliseconds per layer (median of 
                   as a decode step does (each layer's keys come from memory);
   sdpa_one_layer: the same on one layer's buffer over and over (it stays in cache);
   bmm:            q @ k^T, softmax in float32, @ v as two batched matmuls, cycled;
+  kernel:         models/decode_attention.py's numba kernel (what decode steps use), cycled;
   copy_kv:        only copying the same keys and values out, cycled: the read floor
                   an attention kernel that streams the mirror once would approach.
 Then one line per thread count with a large tensor's read bandwidth (a float32 sum).
@@ -23,6 +24,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from models.decode_attention import mirror_decode_attention
 
 ROWS, KV_HEADS, GROUPS, HEAD_DIM, LENGTH, LEN_CAP, LAYERS = 64, 4, 2, 64, 176, 208, 8
 
@@ -59,13 +62,20 @@ def attention_cases(dtype: torch.dtype) -> list[dict]:
         scores = torch.matmul(q[i], k.transpose(-1, -2)).float().mul_(scale).add_(additive)
         return torch.matmul(scores.softmax(-1).to(dtype), v)
 
+    rows = torch.arange(ROWS)
+    counts = mask[:, 0, 0].sum(-1)
+
+    def kernel(i: int) -> torch.Tensor:
+        return mirror_decode_attention(q[i], kv[i][0], kv[i][1], rows, counts, scale)
+
     expected = sdpa(0).float()
-    got = bmm(0).float()
-    assert torch.allclose(got, expected, atol=0.05, rtol=0.05), (got - expected).abs().max()
+    for got in (bmm(0).float(), kernel(0).float()):
+        assert torch.allclose(got, expected, atol=0.05, rtol=0.05), (got - expected).abs().max()
     cases = {
         "sdpa_cycled": _ms_per_call(sdpa, LAYERS),
         "sdpa_one_layer": _ms_per_call(lambda i: sdpa(0), LAYERS),
         "bmm": _ms_per_call(bmm, LAYERS),
+        "kernel": _ms_per_call(kernel, LAYERS),
         "copy_kv": _ms_per_call(lambda i: out.copy_(kv[i][:, :, :, :LENGTH]), LAYERS),
     }
     kv_mb = out.numel() * out.element_size() / 1e6

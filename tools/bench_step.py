@@ -35,7 +35,7 @@ PROFILED_STEPS = range(20, 40)
 
 def run(
     threads: int, cpus: list[int], dtype: str, kv_mirror_mb: int, profile: bool,
-    prepack: bool = True, keep_memory: bool = True, decode_kernel: bool = True,
+    prepack: bool = True, keep_memory: bool = True, decode_kernel: bool = True, top: int = 8,
 ) -> dict:
     import prompt_sets
 
@@ -94,8 +94,8 @@ def run(
     if profiler is not None:
         events = profiler.key_averages()
         whole = sum(e.self_cpu_time_total for e in events)
-        top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
-        line["profile"] = {e.key: round(e.self_cpu_time_total / whole, 3) for e in top}
+        largest = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+        line["profile"] = {e.key: round(e.self_cpu_time_total / whole, 3) for e in largest}
     return line
 
 
@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--kv-mirror-mb", type=int, default=256, help="0: gather from the paged cache every step")
     parser.add_argument("--profile", action="store_true", help="op shares of decode steps 20-39")
+    parser.add_argument("--top", type=int, default=8, help="with --profile, how many ops to list")
     parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights (models/prepack.py off)")
     parser.add_argument("--no-decode-kernel", action="store_true", help="SDPA for decode attention (models/decode_attention.py off)")
     parser.add_argument("--release-memory", action="store_true", help="glibc's default malloc (models/host_memory.py off)")
@@ -114,6 +115,7 @@ def main() -> None:
     line = run(
         args.threads, cpus, args.dtype, args.kv_mirror_mb, args.profile,
         prepack=not args.no_prepack, keep_memory=not args.release_memory, decode_kernel=not args.no_decode_kernel,
+        top=args.top,
     )
     print(json.dumps(line), flush=True)
 
