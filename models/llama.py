@@ -283,5 +283,6 @@ class LlamaStage(nn.Module):
         argmax = getattr(self.lm_head, "argmax", None)  # a VocabParallelLMHead's
         if argmax is not None:
             return argmax(h)
-        # max(dim).indices is the sampler's argmax (first index on ties).
-        return self.lm_head(h).float().max(dim=-1).indices
+        # max(dim).indices is the sampler's argmax (first index on ties); widening to float32
+        # first would change no value, only cost a copy of the logits.
+        return self.lm_head(h).max(dim=-1).indices

@@ -141,8 +141,8 @@ class VocabParallelLMHead(nn.Module):
         index wins, so the lowest-ranked shard holding the best value.
         """
         # The padding rows of the last shard would give logit 0: leave them out.
-        local = self._local_logits(h).float()
-        values, index = local.max(dim=-1)
+        # max over the logits' own dtype: a bf16 -> float32 copy first costs more than the max itself.
+        values, index = self._local_logits(h).max(dim=-1)
         # float64 carries both the float32 logit and the token id exactly.
         pairs = torch.stack((values.double(), (index + self.start).double()))  # [2, N]
         gathered = self.tp.gather_to_first(pairs, dim=0)
