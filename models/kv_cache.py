@@ -99,7 +99,7 @@ class LayerKV:
         if plan is None or not self.decode_kernel or q.requires_grad or not decode_attention.supports(self.k):
             return None
         assert self.mirror is not None
-        self.mirror.layer_kv(plan, self.index, self.k, self.v, k[decode.rows], v[decode.rows])
+        self.mirror.layer_kv(plan, self.index, self.k, self.v, decode.take(k), decode.take(v))
         k_buf, v_buf = plan.entry.storage[self.index]  # [rows, kv_heads, len_cap, head_dim] each
         return decode_attention.mirror_decode_attention(q, k_buf, v_buf, plan.rows, plan.counts, scale)
 
@@ -118,7 +118,7 @@ class LayerKV:
             ks, vs = self.gather(decode.block_tables)
             return ks, vs, decode.key_mask, None
         assert self.mirror is not None
-        ks, vs = self.mirror.layer_kv(plan, self.index, self.k, self.v, k[decode.rows], v[decode.rows])
+        ks, vs = self.mirror.layer_kv(plan, self.index, self.k, self.v, decode.take(k), decode.take(v))
         return (ks, vs, decode.key_mask, None) if plan.identity else (ks, vs, plan.mask, plan.rows)
 
 

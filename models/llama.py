@@ -160,7 +160,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.n_kv_heads, hd)
         cache.write(k, v, step.slot_mapping)
 
-        out = torch.empty_like(q)
+        # A decode-only step's output is the decode group's, in place of a scatter into `out`.
+        dec = step.decode
+        out = None if dec is not None and dec.every_row else torch.empty_like(q)
         for p in step.prefills:
             # One sequence's chunk; [1, heads, Q, d] layout for attention.
             qs = q[p.start : p.stop].transpose(0, 1)[None]
@@ -172,12 +174,11 @@ class Attention(nn.Module):
                 ks, vs = cache.gather(p.block_table)
                 o = attend(qs, ks.transpose(1, 2), vs.transpose(1, 2), self.scale, mask=p.mask)
             out[p.start : p.stop] = o[0].transpose(0, 1)
-        if step.decode is not None:
+        if dec is not None:
             # One query per sequence: each kv head's group of query heads goes into the
             # query dimension, so the keys are attended without being repeated per head.
-            dec = step.decode
             b, groups = dec.rows.shape[0], self.n_heads // self.n_kv_heads
-            qs = q[dec.rows].view(b, self.n_kv_heads, groups, hd)
+            qs = dec.take(q).reshape(b, self.n_kv_heads, groups, hd)
             # The fused kernel over the KV mirror where it serves (models/decode_attention.py).
             o = cache.decode_attention(dec, qs, k, v, self.scale)
             if o is None:
@@ -190,7 +191,10 @@ class Attention(nn.Module):
                 o = attend(qs, ks.transpose(1, 2), vs.transpose(1, 2), self.scale, mask=mask)
                 if rows is not None:
                     o = o[rows]
+            if out is None:
+                return self.o_proj(o.reshape(t, self.n_heads * hd))
             out[dec.rows] = o.reshape(b, self.n_heads, hd)
+        assert out is not None
         return self.o_proj(out.view(t, self.n_heads * hd))
 
 

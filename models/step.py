@@ -43,6 +43,12 @@ class DecodeGroup:
     tables: list[list[int]] = field(default_factory=list)  # unpadded block tables
     # Set by PagedKVCache.begin_step when the rank keeps a dense mirror of these rows.
     mirror: Optional["MirrorPlan"] = None
+    # The group is every token of the step, in order (rows == arange(T)): a decode-only step.
+    every_row: bool = False
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """The group's rows of a [T, ...] tensor of the step (x itself when the group is every row)."""
+        return x if self.every_row else x[self.rows]
 
 
 @dataclass
@@ -162,6 +168,7 @@ def prepare_step(
             seq_ids=decode_seqs,
             positions=[n - 1 for n in decode_lens],
             tables=decode_tables,
+            every_row=len(decode_rows) == len(token_ids),
         )
 
     def long(values: list[int]) -> torch.Tensor:
