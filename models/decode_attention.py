@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["available", "mirror_decode_attention", "supports"]
+__all__ = ["available", "mirror_decode_attention", "prepare", "supports"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,22 @@ def _parallel_kernels() -> Optional[dict[torch.dtype, _Kernel]]:
 def available() -> bool:
     """Whether the kernel can run here (imports numba and compiles on the first call)."""
     return _kernels() is not None
+
+
+def prepare(threads: Optional[int] = None) -> bool:
+    """Builds now (compiles, or loads from numba's cache) the kernels a rank with `threads` threads will run.
+
+    Default: this process's torch thread count. Returns `available()`. A worker calls it
+    while loading, so that its first decode step does not pay for it.
+    """
+    if not available():
+        return False
+    import numba
+
+    threads = torch.get_num_threads() if threads is None else threads
+    if min(threads, numba.config.NUMBA_NUM_THREADS) > 1:
+        _parallel_kernels()
+    return True
 
 
 def supports(like: torch.Tensor) -> bool:

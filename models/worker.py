@@ -31,6 +31,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from models import decode_attention
 from models.batch import ModelBatch, ModelOutput
 from models.config import Layout, ModelConfigError, check_layout, load_config, resolve_dtype
 from models.host_memory import keep_freed_memory as _keep_freed_memory
@@ -208,6 +209,14 @@ class LlamaWorker:
             self.num_packed = prepack_stage(stage)  # 0 where unsupported (GPU, float16, no oneDNN)
         self.stage = stage
         self.num_params = report.num_params
+        # Whether decode steps will use the kernel; built here, as part of startup, not in the first step.
+        self.decode_kernel = (
+            self.decode_kernel
+            and self.device.type == "cpu"
+            and self.kv_mirror_bytes > 0
+            and self.dtype in (torch.float32, torch.bfloat16)
+            and decode_attention.prepare(self.num_threads)
+        )
         self.cache = PagedKVCache(
             layout.layers,
             num_blocks,
@@ -242,6 +251,7 @@ class LlamaWorker:
             "dtype": str(self.dtype).removeprefix("torch."),
             "load_seconds": self.load_seconds,
             "packed_weights": self.num_packed,
+            "decode_kernel": self.decode_kernel,
         }
 
     def _num_blocks(self) -> int:
@@ -391,6 +401,7 @@ class LlamaWorker:
             "kv_mirror_refilled_rows": mirror.refilled_rows if mirror is not None else 0,
             "kv_mirror_fallbacks": mirror.fallbacks if mirror is not None else 0,
             "packed_weights": self.num_packed,
+            "decode_kernel": self.decode_kernel,
             "keeps_freed_memory": self.keeps_freed_memory,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),

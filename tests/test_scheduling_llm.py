@@ -7,6 +7,8 @@ sequences, so the 8 prompts need several batches and force preemption.
 
 from __future__ import annotations
 
+import importlib.util
+
 import json
 import os
 import platform
@@ -112,6 +114,9 @@ class TestLayout:
         if prepack_supported(torch.float32, "cpu"):
             assert all(s["packed_weights"] > 0 for s in stats)
         assert all(s["keeps_freed_memory"] == host_has_glibc() for s in stats)
+        # ... and attended its decode steps with the kernel, built while loading.
+        if importlib.util.find_spec("numba") is not None:
+            assert all(s["decode_kernel"] for s in stats)
 
     def test_prompts_chunked_between_decode_steps_match_transformers(self, llm, reference):
         # A budget of 5 tokens splits every prompt over several steps, each sharing its
@@ -237,12 +242,15 @@ def test_default_model_with_text_prompts():
 
 
 def test_plain_weights_and_default_malloc_give_the_same_tokens(reference):
-    """prepack_weights=False and keep_freed_memory=False reach every rank and change no token."""
+    """prepack_weights=False, keep_freed_memory=False and decode_kernel=False reach every rank and change no token."""
     path, expected, _ = reference
-    with LLM(path, tp=2, pp=1, block_size=BLOCK, prepack_weights=False, keep_freed_memory=False, start_timeout=120.0) as llm:
+    with LLM(
+        path, tp=2, pp=1, block_size=BLOCK, prepack_weights=False, keep_freed_memory=False, decode_kernel=False,
+        start_timeout=120.0,
+    ) as llm:
         pids = llm.supervisor.pids
         stats = llm.supervisor.collective_rpc("get_stats")
-        assert [(s["packed_weights"], s["keeps_freed_memory"]) for s in stats] == [(0, False), (0, False)]
+        assert [(s["packed_weights"], s["keeps_freed_memory"], s["decode_kernel"]) for s in stats] == [(0, False, False)] * 2
         outputs = llm.generate(MANY_PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
         assert [o.token_ids for o in outputs] == expected
     assert not wait_gone(pids) and not child_pids()
