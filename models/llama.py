@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.argmax import row_argmax
 from models.config import LlamaArgs
 from models.kv_cache import LayerKV, PagedKVCache
 from models.step import StepInputs
@@ -287,6 +288,6 @@ class LlamaStage(nn.Module):
         argmax = getattr(self.lm_head, "argmax", None)  # a VocabParallelLMHead's
         if argmax is not None:
             return argmax(h)
-        # max(dim).indices is the sampler's argmax (first index on ties); widening to float32
-        # first would change no value, only cost a copy of the logits.
-        return self.lm_head(h).max(dim=-1).indices
+        # The sampler's argmax (first index on ties); widening to float32 first would change
+        # no value, only cost a copy of the logits.
+        return row_argmax(self.lm_head(h))

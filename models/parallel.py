@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from models.argmax import row_argmax
 from models.config import Layout
 from models.llama import LlamaStage
 from models.prepack import PackedWeight, prepack_supported
@@ -141,8 +142,10 @@ class VocabParallelLMHead(nn.Module):
         index wins, so the lowest-ranked shard holding the best value.
         """
         # The padding rows of the last shard would give logit 0: leave them out.
-        # max over the logits' own dtype: a bf16 -> float32 copy first costs more than the max itself.
-        values, index = self._local_logits(h).max(dim=-1)
+        # In the logits' own dtype: a bf16 -> float32 copy first costs more than the search itself.
+        local = self._local_logits(h)
+        index = row_argmax(local)
+        values = local.gather(1, index[:, None])[:, 0]
         # float64 carries both the float32 logit and the token id exactly.
         pairs = torch.stack((values.double(), (index + self.start).double()))  # [2, N]
         gathered = self.tp.gather_to_first(pairs, dim=0)

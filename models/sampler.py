@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from models.argmax import row_argmax
 from models.batch import SamplingOptions
 
 __all__ = ["is_greedy", "mix_seed", "sample", "top_k_top_p_mask"]
@@ -70,9 +71,7 @@ def sample(
 ) -> tuple[list[int], Optional[list[float]]]:
     """Token ids [N] for logits [N, V], and their logprobs when any row asks for them."""
     logits = logits.float()
-    # max(dim).indices is argmax (first index on ties, NaN wins) at a third of its cost
-    # here: 0.5 ms against 1.5 ms for [32, 32000] on one core.
-    tokens = logits.max(dim=-1).indices
+    tokens = row_argmax(logits)  # max(dim).indices: first index on ties, NaN wins
     random_rows = [i for i, o in enumerate(options) if _draws(o)]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)

@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from models import decode_attention
+from models import argmax, decode_attention
 from models.batch import ModelBatch, ModelOutput
 from models.config import Layout, ModelConfigError, check_layout, load_config, resolve_dtype
 from models.host_memory import keep_freed_memory as _keep_freed_memory
@@ -217,6 +217,8 @@ class LlamaWorker:
             and self.dtype in (torch.float32, torch.bfloat16)
             and decode_attention.prepare(self.num_threads)
         )
+        if layout.is_last_stage and self.device.type == "cpu":
+            argmax.prepare()  # the greedy argmax kernel, also numba: built now, not in the first step
         self.cache = PagedKVCache(
             layout.layers,
             num_blocks,
