@@ -14,7 +14,11 @@ one JSON line per run:
 budget they also carry decode rows), "decode" batches one token per sequence. Per
 stage: `stage_ms_per_batch` is compute (waiting for the previous stage left out),
 `stage_idle_s` is time the stage was outside any step. `driver_turnaround_ms` is the
-median time from a batch's result reaching the driver to its next submit. The
+median time from a batch's result reaching the driver to its next submit. Per phase,
+the rest of a batch's round trip, medians: `dispatch_ms` (submit to the first stage's
+step start), `handoff_ms` (from the later of the previous stage's end and this stage's
+step start to its hidden states being in) and `return_ms` (the last stage's end to
+the driver holding the result). The
 timelines come from `LlamaWorker.get_step_trace` and `Engine.get_batch_trace`
 (CLOCK_MONOTONIC, one clock for the host). The layer split and token budget are the
 engine's defaults unless given. `--config` runs another layout of
@@ -40,7 +44,11 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
 from bench_throughput import CONFIGS, NUM_PROMPTS, OUTPUT_LEN, WARMUP, _workload  # noqa: E402
 
 
-def _phase_stats(batches: list[int], stages: list[dict], tp: int) -> dict:
+def _median_ms(values: list[float]) -> float:
+    return round(1e3 * statistics.median(values), 3)
+
+
+def _phase_stats(batches: list[int], stages: list[dict], tp: int, engine: dict[int, tuple[float, float]]) -> dict:
     out: dict = {"batches": len(batches)}
     compute, waits = [], []
     for k, stage in enumerate(stages):
@@ -52,6 +60,17 @@ def _phase_stats(batches: list[int], stages: list[dict], tp: int) -> dict:
     out["stage_ms_per_batch"] = compute
     out["stage_recv_wait_s"] = waits
     out["seconds"] = round(stages[0][batches[-1]][2] - stages[0][batches[0]][0], 3)
+    # The parts of a batch's round trip that are not compute. With one batch per stage in
+    # flight, a stage idles for whatever of them exceeds the other stage's slack.
+    first, last = stages[:tp], stages[-tp:]
+    out["dispatch_ms"] = _median_ms([min(r[b][0] for r in first) - engine[b][0] for b in batches])  # submit -> stage 0 starts
+    out["return_ms"] = _median_ms([engine[b][1] - max(r[b][2] for r in last) for b in batches])  # last stage ends -> driver has it
+    handoff = []  # previous stage done and this one waiting -> its inputs are in
+    for k in range(tp, len(stages)):
+        before = stages[(k // tp - 1) * tp : (k // tp) * tp]
+        handoff += [stages[k][b][1] - max(max(r[b][2] for r in before), stages[k][b][0]) for b in batches]
+    if handoff:
+        out["handoff_ms"] = _median_ms(handoff)
     return out
 
 
@@ -75,13 +94,14 @@ def run(config: str, max_inflight: Optional[int], dtype: str, engine_options: di
         layer_split = list(llm.layer_split)
         budget = llm.scheduler.max_num_batched_tokens
     stages = [{b: (s, r, e) for b, s, r, e in rank} for rank in raw]  # in global-rank order
+    engine = {b: (submitted, seen) for b, submitted, seen, _, _ in batches}
     run_s = t1 - t0
     phases = {}
     for name, prompt in (("prefill", True), ("decode", False)):
         # More tokens than chunks: some chunk is a prompt's (decode chunks hold one token).
         ids = [b for b, _, _, chunks, tokens in batches if (tokens > chunks) == prompt]
         if ids:
-            phases[name] = _phase_stats(ids, stages, options["tp"])
+            phases[name] = _phase_stats(ids, stages, options["tp"], engine)
     submits = sorted(submitted for _, submitted, _, _, _ in batches)
     turnaround = []
     for _, _, seen, _, _ in batches:
