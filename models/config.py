@@ -31,6 +31,7 @@ __all__ = [
     "layer_matmul_macs",
     "lm_head_layers",
     "load_config",
+    "moves_boundary_mlp",
     "cpu_has_native_bf16",
     "resolve_dtype",
     "shard_range",
@@ -267,6 +268,34 @@ def lm_head_layers(args: LlamaArgs, tokens_per_sample: float = TOKENS_PER_SAMPLE
     return head / (1.0 + prompt_tokens * PROMPT_TOKEN_COST)
 
 
+# Shares of a decoder layer's time spent in its MLP half, measured like the constants
+# above (default model, bfloat16, one thread, packed weights): 0.72 ms of a 32-row
+# decode step's ~2.8 ms a layer (the attention kernel takes most of the rest) and
+# 10.4 ms of a 512-token prompt chunk's ~19 ms.
+DECODE_MLP_SHARE = 0.26
+PROMPT_MLP_SHARE = 0.55
+
+
+def moves_boundary_mlp(layout: "Layout", num_tokens: int, num_decode_rows: int, num_sampled: int) -> bool:
+    """Whether a step runs the last pipeline boundary's MLP on the last stage (see `LlamaStage`).
+
+    A split balanced for decode leaves the last stage idle for part of a prompt-heavy
+    step, whose LM head work is small. Moving the MLP half of the previous stage's last
+    layer across is right when it lowers the busier stage's estimated cost (the cost
+    model of `split_layers`). Every rank of both stages decides alike from the step's shape.
+    """
+    if not layout.move_boundary_mlp or layout.pp_size < 2:
+        return False
+    stages = layout.stage_layers
+    prompt = num_tokens - num_decode_rows
+    per_layer = num_decode_rows + prompt * PROMPT_TOKEN_COST
+    mlp = num_decode_rows * DECODE_MLP_SHARE + prompt * PROMPT_TOKEN_COST * PROMPT_MLP_SHARE
+    head = num_sampled * lm_head_layers(layout.args, tokens_per_sample=1.0)
+    giver = len(stages[-2]) * per_layer
+    taker = len(stages[-1]) * per_layer + head
+    return max(giver - mlp, taker + mlp) < max(giver, taker)
+
+
 def split_layers(
     num_layers: int,
     pp_size: int,
@@ -329,6 +358,9 @@ class Layout:
     pp: int = 0
     pp_size: int = 1
     layer_split: Optional[tuple[int, ...]] = None
+    # The last stage also holds the MLP of the layer before its own, so prompt-heavy steps
+    # can run it there (moves_boundary_mlp).
+    move_boundary_mlp: bool = False
 
     @property
     def rank_label(self) -> str:
@@ -343,6 +375,18 @@ class Layout:
     @property
     def layers(self) -> range:
         return self.stage_layers[self.pp]
+
+    @property
+    def borrowed_mlp(self) -> Optional[int]:
+        """The previous stage's layer whose MLP half this (last) stage holds too, or None."""
+        if not self.move_boundary_mlp or self.pp_size < 2 or not self.is_last_stage:
+            return None
+        return self.layers.start - 1
+
+    @property
+    def lends_mlp(self) -> bool:
+        """Whether this stage's last layer's MLP may run on the next stage instead."""
+        return self.move_boundary_mlp and self.pp_size >= 2 and self.pp == self.pp_size - 2
 
     @property
     def is_first_stage(self) -> bool:

@@ -217,23 +217,41 @@ class FeedForward(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP, each with a residual connection."""
+    """Pre-norm attention and MLP, each with a residual connection.
 
-    def __init__(self, args: LlamaArgs) -> None:
+    With `attention=False` it holds only the MLP half (post_attention_layernorm and
+    mlp): the copy of a pipeline boundary layer's MLP that the next stage keeps
+    (see `LlamaStage`).
+    """
+
+    def __init__(self, args: LlamaArgs, attention: bool = True) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args)
+        self.input_layernorm: Optional[RMSNorm] = (
+            RMSNorm(args.hidden_size, args.rms_norm_eps) if attention else None
+        )
+        self.self_attn: Optional[Attention] = Attention(args) if attention else None
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = FeedForward(args)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs, cache: LayerKV
     ) -> torch.Tensor:
+        return self.mlp_half(self.attention_half(x, cos, sin, step, cache))
+
+    def attention_half(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs, cache: LayerKV
+    ) -> torch.Tensor:
+        """x + attention(norm(x)): the residual stream between the layer's two halves."""
+        assert self.self_attn is not None and self.input_layernorm is not None, "an MLP-only layer"
         if torch.is_grad_enabled():
-            h = x + self.self_attn(self.input_layernorm(x), cos, sin, step, cache)
+            return x + self.self_attn(self.input_layernorm(x), cos, sin, step, cache)
+        # The residual add lands in the fresh attention output: no [T, hidden] allocation.
+        return self.self_attn(self.input_layernorm(x), cos, sin, step, cache).add_(x)
+
+    def mlp_half(self, h: torch.Tensor) -> torch.Tensor:
+        """h + mlp(norm(h))."""
+        if torch.is_grad_enabled():
             return h + self.mlp(self.post_attention_layernorm(h))
-        # The residual adds land in the fresh attention / MLP outputs: no [T, hidden] allocations.
-        h = self.self_attn(self.input_layernorm(x), cos, sin, step, cache).add_(x)
         return self.mlp(self.post_attention_layernorm(h)).add_(h)
 
 
@@ -243,16 +261,31 @@ class LlamaStage(nn.Module):
     Parameter names match the Hugging Face checkpoint without its "model." prefix
     (`layers.{global index}.self_attn.q_proj.weight`, `embed_tokens.weight`, ...).
     Build it on the meta device, shard it, then materialize and load it.
+
+    `borrowed_mlp` names the layer, owned by the previous stage, whose MLP half this
+    stage holds as well (`layers.{i}.mlp.*` and its post-attention norm, no attention,
+    no KV cache). A step run with `moved_mlp=True` moves that MLP across the boundary:
+    the previous stage stops after its last layer's attention half and this stage runs
+    the MLP half first. The MLP has no state, so each step may choose either side;
+    prompt-heavy steps, whose LM head work is small, balance better with it moved.
     """
 
-    def __init__(self, args: LlamaArgs, layer_ids: range, first: bool, last: bool) -> None:
+    def __init__(
+        self, args: LlamaArgs, layer_ids: range, first: bool, last: bool, borrowed_mlp: Optional[int] = None
+    ) -> None:
         super().__init__()
         self.args = args
         self.layer_ids = layer_ids
+        if borrowed_mlp is not None and borrowed_mlp != layer_ids.start - 1:
+            raise ValueError(f"borrowed_mlp={borrowed_mlp} is not the layer before {layer_ids}")
+        self.borrowed_mlp = borrowed_mlp
         self.embed_tokens: Optional[nn.Module] = (
             Embedding(args.vocab_size, args.hidden_size) if first else None
         )
         self.layers = nn.ModuleDict({str(i): DecoderLayer(args) for i in layer_ids})
+        if borrowed_mlp is not None:
+            # Keyed by its global index like any layer, so its parameters are named as in the checkpoint.
+            self.layers[str(borrowed_mlp)] = DecoderLayer(args, attention=False)
         self.norm: Optional[RMSNorm] = RMSNorm(args.hidden_size, args.rms_norm_eps) if last else None
         self.lm_head: Optional[nn.Module] = (
             nn.Linear(args.hidden_size, args.vocab_size, bias=False) if last else None
@@ -260,16 +293,28 @@ class LlamaStage(nn.Module):
         # A plain attribute, not a buffer: it must survive meta-device construction and to_empty().
         self.inv_freq = rope_inv_freq(args)
 
-    def forward(self, inputs: torch.Tensor, step: StepInputs, cache: PagedKVCache) -> torch.Tensor:
+    def forward(
+        self, inputs: torch.Tensor, step: StepInputs, cache: PagedKVCache, moved_mlp: bool = False
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] after this stage's layers.
 
         `inputs` is token ids [T] on the first stage and the previous stage's hidden states otherwise.
+        `moved_mlp`: the boundary MLP runs on the next stage this step; a stage that holds a
+        borrowed MLP runs it first, any other stage leaves out its last layer's MLP half.
         """
         h = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
+        if moved_mlp and self.borrowed_mlp is not None:
+            h = self.layers[str(self.borrowed_mlp)].mlp_half(h)
         cos, sin = rotary_cos_sin(step.positions, self.inv_freq, h.dtype)
         cache.begin_step(step)
-        for index, layer in self.layers.items():
-            h = layer(h, cos, sin, step, cache.layer(int(index)))
+        last = self.layer_ids[-1]
+        for index in self.layer_ids:
+            layer = self.layers[str(index)]
+            kv = cache.layer(index)
+            if moved_mlp and index == last and self.borrowed_mlp is None:
+                h = layer.attention_half(h, cos, sin, step, kv)
+            else:
+                h = layer(h, cos, sin, step, kv)
         cache.end_step(step)
         return h
 

@@ -216,7 +216,9 @@ def load_stage(
     args = layout.args
     tp = tp if tp is not None else TPGroup(layout.tp, layout.tp_size, None)
     with torch.device("meta"):
-        stage = LlamaStage(args, layout.layers, layout.is_first_stage, layout.is_last_stage)
+        stage = LlamaStage(
+            args, layout.layers, layout.is_first_stage, layout.is_last_stage, borrowed_mlp=layout.borrowed_mlp
+        )
         specs = shard_stage(stage, layout, tp) if layout.tp_size > 1 else {}
     materialize(stage, dtype, device)
     if args.tie_word_embeddings and stage.embed_tokens is not None and stage.lm_head is not None:

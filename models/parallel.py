@@ -185,11 +185,12 @@ def shard_stage(stage: LlamaStage, layout: Layout, tp: TPGroup) -> dict[str, Sha
     for index, layer in stage.layers.items():
         attn, mlp = layer.self_attn, layer.mlp
         prefix = f"layers.{index}"
-        column(attn, "q_proj", f"{prefix}.self_attn", q_lo * hd, q_hi * hd)
-        column(attn, "k_proj", f"{prefix}.self_attn", kv_lo * hd, kv_hi * hd)
-        column(attn, "v_proj", f"{prefix}.self_attn", kv_lo * hd, kv_hi * hd)
-        row(attn, "o_proj", f"{prefix}.self_attn", q_lo * hd, q_hi * hd)
-        attn.n_heads, attn.n_kv_heads = q_hi - q_lo, kv_hi - kv_lo
+        if attn is not None:  # None in a borrowed MLP-only layer
+            column(attn, "q_proj", f"{prefix}.self_attn", q_lo * hd, q_hi * hd)
+            column(attn, "k_proj", f"{prefix}.self_attn", kv_lo * hd, kv_hi * hd)
+            column(attn, "v_proj", f"{prefix}.self_attn", kv_lo * hd, kv_hi * hd)
+            row(attn, "o_proj", f"{prefix}.self_attn", q_lo * hd, q_hi * hd)
+            attn.n_heads, attn.n_kv_heads = q_hi - q_lo, kv_hi - kv_lo
         column(mlp, "gate_proj", f"{prefix}.mlp", i_lo, i_hi)
         column(mlp, "up_proj", f"{prefix}.mlp", i_lo, i_hi)
         row(mlp, "down_proj", f"{prefix}.mlp", i_lo, i_hi)

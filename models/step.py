@@ -83,6 +83,11 @@ class StepInputs:
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
 
+    @property
+    def num_decode_rows(self) -> int:
+        """Tokens of one-token chunks (the rest are prompt tokens of multi-token chunks)."""
+        return int(self.decode.rows.shape[0]) if self.decode is not None else 0
+
 
 def prepare_step(
     batch: ModelBatch,

@@ -33,7 +33,14 @@ import torch.distributed as dist
 
 from models import argmax, decode_attention
 from models.batch import ModelBatch, ModelOutput
-from models.config import Layout, ModelConfigError, check_layout, load_config, resolve_dtype
+from models.config import (
+    Layout,
+    ModelConfigError,
+    check_layout,
+    load_config,
+    moves_boundary_mlp,
+    resolve_dtype,
+)
 from models.host_memory import keep_freed_memory as _keep_freed_memory
 from models.kv_cache import PagedKVCache
 from models.llama import LlamaStage
@@ -88,6 +95,9 @@ class LlamaWorker:
         keep_freed_memory: on CPU, have glibc keep freed memory in the process
             (models/host_memory.py, process-wide), so each step's activations reuse
             warm pages instead of faulting in fresh ones; the rank's RSS then stays at its peak.
+        move_boundary_mlp: with pp_size > 1, the last stage also holds the MLP of the layer
+            before its first, and runs it on prompt-heavy steps, which a split balanced for
+            decode leaves short of work there (models.config.moves_boundary_mlp, LlamaStage).
     """
 
     def __init__(
@@ -106,6 +116,7 @@ class LlamaWorker:
         prepack_weights: bool = True,
         keep_freed_memory: bool = True,
         decode_kernel: bool = True,
+        move_boundary_mlp: bool = True,
     ) -> None:
         self.ctx = ctx
         self.where = f"rank (pp={ctx.pp}, tp={ctx.tp})"
@@ -126,6 +137,7 @@ class LlamaWorker:
             pp=ctx.pp,
             pp_size=ctx.pp_size,
             layer_split=tuple(layer_split) if layer_split is not None else None,
+            move_boundary_mlp=bool(move_boundary_mlp),
         )
         check_layout(self.layout)
         if block_size < 1 or kv_cache_bytes < 1:
@@ -156,6 +168,7 @@ class LlamaWorker:
         self.generator = torch.Generator()  # unseeded requests; only the output rank samples
         self._pending_sends: collections.deque = collections.deque()
         self._steps = 0
+        self._moved_mlp_steps = 0  # steps that ran the boundary MLP on the last stage
         self._tokens = 0
         self._execute_seconds = 0.0
         self._recv_seconds = 0.0  # of execute_seconds: waiting for the previous stage's hidden states
@@ -332,6 +345,12 @@ class LlamaWorker:
         self._recv_done = time.perf_counter()
         if step.num_tokens == 0:
             return step, None
+        layout = self.layout
+        moved = (layout.lends_mlp or layout.borrowed_mlp is not None) and moves_boundary_mlp(
+            layout, step.num_tokens, step.num_decode_rows, int(step.sample_rows.numel())
+        )
+        if moved:
+            self._moved_mlp_steps += 1
         if ctx.is_first_stage:
             x = step.token_ids
         else:
@@ -340,7 +359,7 @@ class LlamaWorker:
             dist.recv(x, src=ctx.global_rank - ctx.tp_size)
             self._recv_done = time.perf_counter()
             self._recv_seconds += self._recv_done - waited
-        h = stage(x, step, cache)
+        h = stage(x, step, cache, moved_mlp=moved)
         if not ctx.is_last_stage:
             self._send_next(h)
             return step, None
@@ -391,6 +410,8 @@ class LlamaWorker:
             "rss_bytes": rss_pages * os.sysconf("SC_PAGE_SIZE"),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "steps": self._steps,
+            "moved_mlp_steps": self._moved_mlp_steps,
+            "borrowed_mlp": self.layout.borrowed_mlp,
             "tokens": self._tokens,
             "execute_seconds": self._execute_seconds,
             "recv_seconds": self._recv_seconds,

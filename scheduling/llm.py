@@ -96,6 +96,9 @@ class LLM:
         decode_kernel: on CPU, decode attention over the KV mirror runs in one numba
             kernel per layer (models/decode_attention.py) instead of SDPA; True by default,
             SDPA where numba is missing.
+        move_boundary_mlp: with pp > 1, the last stage also holds the MLP of the layer
+            before its own and runs it on prompt-heavy steps, to even out the stages
+            there (models.config.moves_boundary_mlp); True by default.
         keep_freed_memory: on CPU, each rank's glibc keeps freed memory in the process
             (models/host_memory.py): faster large steps, RSS stays at its peak.
         max_num_seqs, max_num_batched_tokens: the most sequences / tokens in one batch;
@@ -132,6 +135,7 @@ class LLM:
         kv_mirror_bytes: Optional[int] = None,
         prepack_weights: bool = True,
         decode_kernel: bool = True,
+        move_boundary_mlp: bool = True,
         keep_freed_memory: bool = True,
         max_num_seqs: int = 256,
         max_num_batched_tokens: Optional[int] = None,
@@ -180,6 +184,8 @@ class LLM:
             worker_kwargs["keep_freed_memory"] = False
         if not decode_kernel:
             worker_kwargs["decode_kernel"] = False
+        if not move_boundary_mlp:
+            worker_kwargs["move_boundary_mlp"] = False
         if num_threads is not None:
             worker_kwargs["num_threads"] = int(num_threads)
         if layer_split is not None:

@@ -21,11 +21,13 @@ from models.config import (
     layer_matmul_macs,
     lm_head_layers,
     load_config,
+    moves_boundary_mlp,
     split_layers,
 )
 from models.kv_cache import PagedKVCache
 from models.llama import rope_inv_freq
-from models.step import BatchError
+from models.loader import load_stage
+from models.step import BatchError, prepare_step
 from models.worker import LlamaWorker
 from tests.model_checkpoints import (
     LLAMA3_ROPE,
@@ -242,6 +244,66 @@ def test_lm_head_weighs_its_matmul_against_a_layer_per_sampled_token():
     assert lm_head_layers(args) == pytest.approx(2.17, abs=0.01)  # chat traffic: 1.75 tokens per sample
     assert [len(r) for r in Layout(args, pp_size=2).stage_layers] == [5, 3]
     assert [len(r) for r in Layout(args, pp_size=2, layer_split=(4, 4)).stage_layers] == [4, 4]
+
+
+def default_model_args(**extra) -> LlamaArgs:
+    shape = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, intermediate_size=1408)
+    return LlamaArgs.from_dict({**TINY, **shape, "vocab_size": 32000, "num_hidden_layers": 8, **extra})
+
+
+def test_the_boundary_mlp_moves_to_the_last_stage_on_prompt_heavy_steps():
+    # The default model at PP2 splits (5, 3): balanced for decode, where the last stage's
+    # head is worth ~2.8 layers a row, so a decode step keeps the MLP where it is.
+    layouts = [Layout(default_model_args(), pp=s, pp_size=2, move_boundary_mlp=True) for s in (0, 1)]
+    first, last = layouts
+    assert first.lends_mlp and first.borrowed_mlp is None
+    assert last.borrowed_mlp == 4 and not last.lends_mlp
+    assert not moves_boundary_mlp(first, num_tokens=32, num_decode_rows=32, num_sampled=32)
+    assert not moves_boundary_mlp(first, num_tokens=1, num_decode_rows=1, num_sampled=1)
+    # A 512-token prompt chunk sampling 4 rows leaves the last stage short of work: moved.
+    assert moves_boundary_mlp(first, num_tokens=512, num_decode_rows=0, num_sampled=4)
+    assert moves_boundary_mlp(last, num_tokens=512, num_decode_rows=0, num_sampled=0)
+    # Mixed: 32 decode rows with 128 prompt tokens still favour the move; 480 rows with 32 do not.
+    assert moves_boundary_mlp(first, num_tokens=160, num_decode_rows=32, num_sampled=33)
+    assert not moves_boundary_mlp(first, num_tokens=512, num_decode_rows=480, num_sampled=481)
+    # Off, or with one stage, nothing moves and no stage holds a copy.
+    off = Layout(default_model_args(), pp=1, pp_size=2)
+    assert off.borrowed_mlp is None and not moves_boundary_mlp(off, 512, 0, 4)
+    one = Layout(default_model_args(), move_boundary_mlp=True)
+    assert one.borrowed_mlp is None and not one.lends_mlp and not moves_boundary_mlp(one, 512, 0, 4)
+    # With more stages only the last boundary moves.
+    four = [Layout(default_model_args(), pp=s, pp_size=4, move_boundary_mlp=True) for s in range(4)]
+    assert [lay.lends_mlp for lay in four] == [False, False, True, False]
+    assert [lay.borrowed_mlp for lay in four] == [None, None, None, four[3].layers.start - 1]
+
+
+def test_the_boundary_mlp_gives_the_same_logits_on_either_stage(checkpoints):
+    """Two in-process stages, the second holding the first's last MLP: moved or not, transformers' logits."""
+    path = checkpoints["single"]
+    args = load_config(path)
+    layouts = [Layout(args, pp=s, pp_size=2, move_boundary_mlp=True) for s in (0, 1)]
+    stages = [load_stage(lay, path, torch.float32)[0] for lay in layouts]
+    borrowed = stages[1].layers[str(layouts[0].layers[-1])]
+    assert stages[1].borrowed_mlp == layouts[0].layers[-1] and borrowed.self_attn is None
+    tables = block_tables([len(p) for p in PROMPTS], BLOCK)
+    batch = prefill_batch(PROMPTS, tables)
+    handed, logits = [], []
+    for moved in (False, True):
+        caches = [
+            PagedKVCache(lay.layers, 64, BLOCK, lay.num_local_kv_heads, args.head_dim, torch.float32, "cpu")
+            for lay in layouts
+        ]
+        step = prepare_step(batch, block_size=BLOCK, num_blocks=64, vocab_size=args.vocab_size)
+        with torch.inference_mode():
+            h = stages[0](step.token_ids, step, caches[0], moved_mlp=moved)
+            handed.append(h.clone())
+            h = stages[1](h, step, caches[1], moved_mlp=moved)
+            logits.append(stages[1].compute_logits(h[step.sample_rows]))
+    # What crosses the boundary differs (the MLP ran on one side or the other), the result does not.
+    assert not torch.allclose(handed[0], handed[1])
+    expected = reference_last_logits(path, PROMPTS)
+    for got in logits:
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
 def test_kv_cache_holds_as_many_blocks_as_the_budget_allows(checkpoints):

@@ -91,6 +91,27 @@ def test_rank_holds_exactly_its_slices(checkpoints, name, tp, pp):
     assert report.num_params < 0.4 * total
 
 
+@pytest.mark.parametrize("tp", [0, 1])
+def test_last_stage_holds_the_sharded_mlp_of_the_layer_before_it(checkpoints, tp):
+    path = checkpoints["odd"]  # uneven intermediate size: the two tp shards differ
+    args = load_config(path)
+    layout = Layout(args, tp=tp, tp_size=2, pp=1, pp_size=2, move_boundary_mlp=True)
+    stage, report = load_stage(layout, path, torch.float32)
+    without, _ = load_stage(Layout(args, tp=tp, tp_size=2, pp=1, pp_size=2), path, torch.float32)
+    state = full_state(path)
+    index = layout.borrowed_mlp
+    assert index == layout.layers.start - 1 and str(index) in stage.layers and str(index) not in without.layers
+    layer, prefix = stage.layers[str(index)], f"model.layers.{index}"
+    assert layer.self_attn is None and layer.input_layernorm is None  # no attention, no KV cache
+    i0, i1 = layout.intermediate
+    assert torch.equal(layer.mlp.gate_proj.weight, state[f"{prefix}.mlp.gate_proj.weight"][i0:i1])
+    assert torch.equal(layer.mlp.up_proj.weight, state[f"{prefix}.mlp.up_proj.weight"][i0:i1])
+    assert torch.equal(layer.mlp.down_proj.weight, state[f"{prefix}.mlp.down_proj.weight"][:, i0:i1])
+    assert torch.equal(layer.post_attention_layernorm.weight, state[f"{prefix}.post_attention_layernorm.weight"])
+    mlp_params = 3 * args.hidden_size * (i1 - i0) + args.hidden_size
+    assert report.num_params == sum(p.numel() for p in without.parameters()) + mlp_params
+
+
 def test_missing_tensor_names_tensor_shape_and_rank(checkpoints, tmp_path):
     path = rewrite(checkpoints["single"], tmp_path / "ckpt", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     layout = Layout(load_config(path), tp=1, tp_size=2, pp=0, pp_size=2)

@@ -117,6 +117,13 @@ class TestLayout:
         # ... and attended its decode steps with the kernel, built while loading.
         if importlib.util.find_spec("numba") is not None:
             assert all(s["decode_kernel"] for s in stats)
+        # With a pipeline the last stage holds the MLP of the layer before its own; both
+        # sides of the boundary agreed, step by step, on where it ran.
+        pp, tp = llm.supervisor.pp_size, llm.supervisor.tp_size
+        if pp > 1:
+            lender, last = stats[(pp - 2) * tp : (pp - 1) * tp], stats[(pp - 1) * tp :]
+            assert {s["borrowed_mlp"] for s in last} == {last[0]["layers"][0] - 1}
+            assert {s["moved_mlp_steps"] for s in lender} == {s["moved_mlp_steps"] for s in last}
 
     def test_prompts_chunked_between_decode_steps_match_transformers(self, llm, reference):
         # A budget of 5 tokens splits every prompt over several steps, each sharing its
@@ -241,18 +248,35 @@ def test_default_model_with_text_prompts():
     assert not wait_gone(pids) and not child_pids()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_boundary_mlp_moved_across_stages_changes_no_token(reference, tp):
+    """Split (3, 1), stage 0 is the busier: the last stage runs layer 2's MLP, tokens stay transformers'."""
+    path, expected, _ = reference
+    with LLM(path, tp=tp, pp=2, block_size=BLOCK, layer_split=(3, 1), start_timeout=120.0) as llm:
+        pids = llm.supervisor.pids
+        outputs = llm.generate(MANY_PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert [o.token_ids for o in outputs] == expected
+        stats = llm.supervisor.collective_rpc("get_stats")
+        assert [s["borrowed_mlp"] for s in stats] == [None] * tp + [2] * tp
+        moved = {s["moved_mlp_steps"] for s in stats}
+        assert len(moved) == 1 and moved.pop() > 0
+    assert not wait_gone(pids) and not child_pids()
+
+
 def test_plain_weights_and_default_malloc_give_the_same_tokens(reference):
-    """prepack_weights=False, keep_freed_memory=False and decode_kernel=False reach every rank and change no token."""
+    """prepack_weights, keep_freed_memory, decode_kernel and move_boundary_mlp off reach every rank and change no token."""
     path, expected, _ = reference
     with LLM(
-        path, tp=2, pp=1, block_size=BLOCK, prepack_weights=False, keep_freed_memory=False, decode_kernel=False,
-        start_timeout=120.0,
+        path, tp=2, pp=2, block_size=BLOCK, prepack_weights=False, keep_freed_memory=False, decode_kernel=False,
+        move_boundary_mlp=False, start_timeout=120.0,
     ) as llm:
         pids = llm.supervisor.pids
         stats = llm.supervisor.collective_rpc("get_stats")
-        assert [(s["packed_weights"], s["keeps_freed_memory"], s["decode_kernel"]) for s in stats] == [(0, False, False)] * 2
+        assert [(s["packed_weights"], s["keeps_freed_memory"], s["decode_kernel"]) for s in stats] == [(0, False, False)] * 4
         outputs = llm.generate(MANY_PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
         assert [o.token_ids for o in outputs] == expected
+        stats = llm.supervisor.collective_rpc("get_stats")
+        assert [(s["borrowed_mlp"], s["moved_mlp_steps"]) for s in stats] == [(None, 0)] * 4
     assert not wait_gone(pids) and not child_pids()
 
 

@@ -136,6 +136,7 @@ def main() -> None:
     parser.add_argument("--layer-split", type=int, nargs="+", metavar="N")
     parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights (models/prepack.py off)")
     parser.add_argument("--no-decode-kernel", action="store_true", help="SDPA for decode attention (models/decode_attention.py off)")
+    parser.add_argument("--no-move-mlp", action="store_true", help="the boundary MLP always on its own stage (LLM move_boundary_mlp=False)")
     args = parser.parse_args()
     options: dict = {}
     if args.max_num_batched_tokens:
@@ -146,6 +147,8 @@ def main() -> None:
         options["prepack_weights"] = False
     if args.no_decode_kernel:
         options["decode_kernel"] = False
+    if args.no_move_mlp:
+        options["move_boundary_mlp"] = False
     inflights = args.inflight or ([2, 1] if args.config == "pp2" else [None])
     for inflight in inflights:
         print(json.dumps(run(args.config, inflight, args.dtype, options)), flush=True)

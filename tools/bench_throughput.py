@@ -159,6 +159,8 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
         out.append("--no-prepack")
     if args.no_decode_kernel:
         out.append("--no-decode-kernel")
+    if args.no_move_mlp:
+        out.append("--no-move-mlp")
     return out
 
 
@@ -173,6 +175,7 @@ def main() -> None:
     parser.add_argument("--kv-mirror-mb", type=int, help="per rank, MiB of the dense decode KV copy (0: off; default the engine's)")
     parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights on the ranks (models/prepack.py off)")
     parser.add_argument("--no-decode-kernel", action="store_true", help="SDPA for decode attention (models/decode_attention.py off)")
+    parser.add_argument("--no-move-mlp", action="store_true", help="the boundary MLP always on its own stage (LLM move_boundary_mlp=False)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration here
     args = parser.parse_args()
     engine_options: dict = {}
@@ -184,6 +187,8 @@ def main() -> None:
         engine_options["prepack_weights"] = False
     if args.no_decode_kernel:
         engine_options["decode_kernel"] = False
+    if args.no_move_mlp:
+        engine_options["move_boundary_mlp"] = False
     if args.one:
         if args.layer_split and CONFIGS.get(args.one, {}).get("pp", 1) > 1:
             engine_options["layer_split"] = args.layer_split
