@@ -137,6 +137,31 @@ def test_output_lists_only_chunks_that_sample(workers):
     assert (out.batch_id, out.seq_ids, len(out.token_ids), out.logprobs) == (7, [10, 12], 2, None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_matches_transformers_in_every_dtype(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from models.llama import RMSNorm
+
+    torch.manual_seed(0)
+    ours, theirs = RMSNorm(96, eps=1e-5), LlamaRMSNorm(96, eps=1e-5)
+    weight = torch.randn(96)
+    ours.weight.data, theirs.weight.data = weight.clone(), weight.clone()
+    ours, theirs = ours.to(dtype), theirs.to(dtype)
+    x = (torch.randn(37, 96) * 3).to(dtype)
+    with torch.inference_mode():
+        got, want = ours(x), theirs(x)
+    assert got.dtype == dtype
+    # The same roundings in the same order; the float32 scale (summed in another order) may
+    # differ in its last bit, which moves a rare low-precision result by one unit in the last place.
+    # In float32 the multiplications' order differs too: a few units in the last place.
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=0, rtol=1e-6)
+    else:
+        torch.testing.assert_close(got, want, atol=0, rtol=torch.finfo(dtype).eps)
+        assert (got == want).float().mean() > 0.99
+
+
 def test_llama3_inv_freq_matches_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
