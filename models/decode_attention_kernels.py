@@ -19,16 +19,52 @@ import numpy as np
 FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 
+# exp(x) for x <= 0 in float32 as in Cephes' expf: x = k ln2 + r with |r| <= ln2 / 2
+# (ln2 split in two so k ln2 is exact), e^r by a degree-7 polynomial, 2^k written into
+# the exponent bits. A softmax row stays within 4.5 ulp of the exact one (np.exp: 2.7;
+# tests/test_models_decode_attention.py), and unlike numba's np.exp, a libm call per
+# element, LLVM vectorises it: a 64-row decode layer's softmax 0.40 -> 0.17 ms, one core.
+LOG2E = np.float32(1.4426950408889634)
+LN2_HI = np.float32(0.693359375)
+LN2_LO = np.float32(-2.12194440e-4)
+EXP_MIN = np.float32(-87.33654)  # ln of float32's smallest normal: below it e^x counts as 0
+EXP_POLY = (
+    np.float32(1.9875691500e-4),
+    np.float32(1.3981999507e-3),
+    np.float32(8.3334519073e-3),
+    np.float32(4.1665795894e-2),
+    np.float32(1.6666665459e-1),
+    np.float32(5.0000001201e-1),
+)
+
+
 @numba.njit(fastmath=FASTMATH, nogil=True, cache=True)
-def softmax_rows(s, n):  # noqa: ANN001 - typed by numba
-    """In place: each row g of s[:, :n] becomes softmax(s[g, :n]), in float32."""
+def softmax_rows(s, n, scale_bits):  # noqa: ANN001 - typed by numba
+    """In place: each row g of s[:, :n] becomes softmax(s[g, :n]), in float32.
+
+    `scale_bits` is int32 scratch of at least n: the 2^k factors, built as bits.
+    A NaN in a row makes the row NaN, as np.exp would.
+    """
+    c0, c1, c2, c3, c4, c5 = EXP_POLY
+    scales = scale_bits.view(np.float32)
     for g in range(s.shape[0]):
         m = s[g, 0]
         for t in range(1, n):
             m = max(m, s[g, t])
+        for t in range(n):
+            x = s[g, t] - m
+            under = x < EXP_MIN
+            x = max(x, EXP_MIN)
+            k = np.floor(x * LOG2E + np.float32(0.5))
+            k = k if k == k else np.float32(0.0)  # NaN: keep the conversion defined; p carries the NaN
+            r = x - k * LN2_HI - k * LN2_LO
+            p = ((((c0 * r + c1) * r + c2) * r + c3) * r + c4) * r + c5
+            p = p * r * r + r + np.float32(1.0)
+            scale_bits[t] = (np.int32(k) + np.int32(127)) << 23
+            s[g, t] = np.float32(0.0) if under else p
         total = np.float32(0.0)
         for t in range(n):
-            e = np.exp(s[g, t] - m)
+            e = s[g, t] * scales[t]
             s[g, t] = e
             total += e
         inv = np.float32(1.0) / total
@@ -45,6 +81,7 @@ def attend_float32(q, kbuf, vbuf, rows, counts, scale, out, lo, hi):  # noqa: AN
     """
     heads, groups, dim = q.shape[1], q.shape[2], q.shape[3]
     s = np.empty((groups, kbuf.shape[2]), np.float32)  # scores, then probabilities
+    bits = np.empty(kbuf.shape[2], np.int32)
     acc = np.empty((groups, dim), np.float32)
     for task in range(lo, hi):
         i = task // heads
@@ -57,7 +94,7 @@ def attend_float32(q, kbuf, vbuf, rows, counts, scale, out, lo, hi):  # noqa: AN
                 for d in range(dim):
                     a += qh[g, d] * k[t, d]
                 s[g, t] = a * scale
-        softmax_rows(s, n)
+        softmax_rows(s, n, bits)
         acc[:] = 0.0
         for t in range(n):
             for g in range(groups):
@@ -72,6 +109,7 @@ def attend_bfloat16(q, kbuf, vbuf, rows, counts, scale, out, lo, hi):  # noqa: A
     """As attend_float32, with kbuf/vbuf holding bfloat16 bits as uint16, widened one key (value) row at a time."""
     heads, groups, dim = q.shape[1], q.shape[2], q.shape[3]
     s = np.empty((groups, kbuf.shape[2]), np.float32)
+    bits = np.empty(kbuf.shape[2], np.int32)
     acc = np.empty((groups, dim), np.float32)
     wide = np.empty(dim, np.uint32)  # a bfloat16 is the top half of the float32 with the same value
     row = wide.view(np.float32)
@@ -88,7 +126,7 @@ def attend_bfloat16(q, kbuf, vbuf, rows, counts, scale, out, lo, hi):  # noqa: A
                 for d in range(dim):
                     a += qh[g, d] * row[d]
                 s[g, t] = a * scale
-        softmax_rows(s, n)
+        softmax_rows(s, n, bits)
         acc[:] = 0.0
         for t in range(n):
             for d in range(dim):
