@@ -72,6 +72,13 @@ def softmax_rows(s, n, scale_bits):  # noqa: ANN001 - typed by numba
             s[g, t] *= inv
 
 
+# Each key (value) row is used by the G query heads of its kv head. With G == 2 (the
+# default model's, and common GQA) both heads go through the row in one loop, two
+# multiply-adds per element loaded, with the accumulators in registers (1.39 -> 1.21 ms
+# a 64-row bf16 layer, one core); other G take the row one head at a time. The branch is
+# written out in each kernel: through a helper, numba builds views per key and loses it.
+
+
 @numba.njit(fastmath=FASTMATH, nogil=True, cache=True)
 def attend_float32(q, kbuf, vbuf, rows, counts, scale, out, lo, hi):  # noqa: ANN001 - typed by numba
     """Tasks [lo, hi): out[i, h] = softmax(q[i, h] k^T * scale) v over keys [0, counts[i]) of row rows[i], head h.
@@ -83,24 +90,45 @@ def attend_float32(q, kbuf, vbuf, rows, counts, scale, out, lo, hi):  # noqa: AN
     s = np.empty((groups, kbuf.shape[2]), np.float32)  # scores, then probabilities
     bits = np.empty(kbuf.shape[2], np.int32)
     acc = np.empty((groups, dim), np.float32)
+    acc0, acc1 = acc[0], acc[groups - 1]
     for task in range(lo, hi):
         i = task // heads
         h = task - i * heads
         n = counts[i]
         k, v, qh = kbuf[rows[i], h], vbuf[rows[i], h], q[i, h]
+        q0, q1 = qh[0], qh[groups - 1]
         for t in range(n):
-            for g in range(groups):
-                a = np.float32(0.0)
+            row = k[t]
+            if groups == 2:
+                a0 = np.float32(0.0)
+                a1 = np.float32(0.0)
                 for d in range(dim):
-                    a += qh[g, d] * k[t, d]
-                s[g, t] = a * scale
+                    x = row[d]
+                    a0 += q0[d] * x
+                    a1 += q1[d] * x
+                s[0, t] = a0 * scale
+                s[1, t] = a1 * scale
+            else:
+                for g in range(groups):
+                    a = np.float32(0.0)
+                    for d in range(dim):
+                        a += qh[g, d] * row[d]
+                    s[g, t] = a * scale
         softmax_rows(s, n, bits)
         acc[:] = 0.0
         for t in range(n):
-            for g in range(groups):
-                p = s[g, t]
+            row = v[t]
+            if groups == 2:
+                p0, p1 = s[0, t], s[1, t]
                 for d in range(dim):
-                    acc[g, d] += p * v[t, d]
+                    x = row[d]
+                    acc0[d] += p0 * x
+                    acc1[d] += p1 * x
+            else:
+                for g in range(groups):
+                    p = s[g, t]
+                    for d in range(dim):
+                        acc[g, d] += p * row[d]
         out[i, h] = acc
 
 
@@ -111,6 +139,7 @@ def attend_bfloat16(q, kbuf, vbuf, rows, counts, scale, out, lo, hi):  # noqa: A
     s = np.empty((groups, kbuf.shape[2]), np.float32)
     bits = np.empty(kbuf.shape[2], np.int32)
     acc = np.empty((groups, dim), np.float32)
+    acc0, acc1 = acc[0], acc[groups - 1]
     wide = np.empty(dim, np.uint32)  # a bfloat16 is the top half of the float32 with the same value
     row = wide.view(np.float32)
     for task in range(lo, hi):
@@ -118,23 +147,41 @@ def attend_bfloat16(q, kbuf, vbuf, rows, counts, scale, out, lo, hi):  # noqa: A
         h = task - i * heads
         n = counts[i]
         k16, v16, qh = kbuf[rows[i], h], vbuf[rows[i], h], q[i, h]
+        q0, q1 = qh[0], qh[groups - 1]
         for t in range(n):
             for d in range(dim):
                 wide[d] = np.uint32(k16[t, d]) << 16
-            for g in range(groups):
-                a = np.float32(0.0)
+            if groups == 2:
+                a0 = np.float32(0.0)
+                a1 = np.float32(0.0)
                 for d in range(dim):
-                    a += qh[g, d] * row[d]
-                s[g, t] = a * scale
+                    x = row[d]
+                    a0 += q0[d] * x
+                    a1 += q1[d] * x
+                s[0, t] = a0 * scale
+                s[1, t] = a1 * scale
+            else:
+                for g in range(groups):
+                    a = np.float32(0.0)
+                    for d in range(dim):
+                        a += qh[g, d] * row[d]
+                    s[g, t] = a * scale
         softmax_rows(s, n, bits)
         acc[:] = 0.0
         for t in range(n):
             for d in range(dim):
                 wide[d] = np.uint32(v16[t, d]) << 16
-            for g in range(groups):
-                p = s[g, t]
+            if groups == 2:
+                p0, p1 = s[0, t], s[1, t]
                 for d in range(dim):
-                    acc[g, d] += p * row[d]
+                    x = row[d]
+                    acc0[d] += p0 * x
+                    acc1[d] += p1 * x
+            else:
+                for g in range(groups):
+                    p = s[g, t]
+                    for d in range(dim):
+                        acc[g, d] += p * row[d]
         out[i, h] = acc
 
 
