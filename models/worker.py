@@ -14,8 +14,12 @@ last stage computes logits only for the last token of each chunk with `sample`
 set, gathers them over tp on tp rank 0 (the output rank), which samples
 and returns a `ModelOutput`; every other rank returns None.
 
-Sends to the next stage are asynchronous (isend, tensor kept alive, waited for at
-most pp_size steps later), so stage 0 starts batch i+1 while stage 1 computes batch i.
+On CPU the hidden states go through a shared-memory ring between the two ranks
+(models/shm_handoff.py): the send is a copy, so stage 0 starts batch i+1 while
+stage 1 computes batch i, and stage 1 finds the bytes there without waking any
+thread of stage 0. Elsewhere (GPU, or a ring that cannot be mapped) sends are
+asynchronous torch.distributed isends (tensor kept alive, waited for at most
+pp_size steps later).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from models.parallel import TPGroup
 from models.prepack import prepack_stage
 from models.sampler import is_greedy, sample
 from models.shm_allreduce import ShmAllReduce
+from models.shm_handoff import ShmHandoffReceiver, ShmHandoffSender
 from models.step import StepInputs, prepare_step
 
 __all__ = ["LlamaWorker"]
@@ -84,6 +89,9 @@ class LlamaWorker:
         device: "cpu", "cuda:0", ...; default the rank's GPU when CUDA is available, else CPU.
         shm_allreduce: on CPU, all-reduce tp partial sums through shared memory when every
             rank of the tp group can map it (one host); False keeps gloo.
+        shm_handoff: on CPU, pass hidden states to the next stage through a shared-memory
+            ring when both ranks can map it (one host; models/shm_handoff.py); False keeps
+            gloo's send/recv.
         kv_mirror_bytes: most bytes of the dense decode copy of keys and values kept across
             steps (models/kv_mirror.py), which spares decode steps gathering every sequence's
             blocks; default kv_cache_bytes on CPU, 0 (off) on GPU.
@@ -112,6 +120,7 @@ class LlamaWorker:
         dist_timeout_s: float = 600.0,
         device: Optional[str] = None,
         shm_allreduce: bool = True,
+        shm_handoff: bool = True,
         kv_mirror_bytes: Optional[int] = None,
         prepack_weights: bool = True,
         keep_freed_memory: bool = True,
@@ -151,6 +160,10 @@ class LlamaWorker:
         self.block_size = int(block_size)
         self.dist_timeout_s = dist_timeout_s
         self.shm_allreduce = shm_allreduce
+        self.shm_handoff = bool(shm_handoff)
+        # The shared-memory rings to the previous and next stage (None: gloo, or no such stage).
+        self._handoff_in: Optional[ShmHandoffReceiver] = None
+        self._handoff_out: Optional[ShmHandoffSender] = None
         self.prepack_weights = bool(prepack_weights)
         self.decode_kernel = bool(decode_kernel)
         # Before the weights and KV cache are allocated, so those too come from the heap.
@@ -205,7 +218,19 @@ class LlamaWorker:
                 spin = SHM_SPIN_S if ctx.world_size <= (os.cpu_count() or 1) else 0.0
                 shm = ShmAllReduce.create(own, ctx.tp, ctx.tp_size, spin_s=spin, timeout_s=self.dist_timeout_s)
             self.tp_group = TPGroup(ctx.tp, ctx.tp_size, own, shm)
-        return {"rank": ctx.rank, "backend": backend, "shm_allreduce": shm is not None}
+        if self.device.type == "cpu" and self.shm_handoff and ctx.pp_size > 1:
+            # Stage by stage down the pipeline: a rank answers its previous stage's offer
+            # before it makes its own, so the pairs' messages cannot wait on each other.
+            if ctx.pp > 0:
+                self._handoff_in = ShmHandoffReceiver.accept(ctx.global_rank - ctx.tp_size, timeout_s=self.dist_timeout_s)
+            if ctx.pp < ctx.pp_size - 1:
+                self._handoff_out = ShmHandoffSender.offer(ctx.global_rank + ctx.tp_size, timeout_s=self.dist_timeout_s)
+        return {
+            "rank": ctx.rank,
+            "backend": backend,
+            "shm_allreduce": shm is not None,
+            "shm_handoff": self._handoff_in is not None or self._handoff_out is not None,
+        }
 
     def load_model(self) -> dict[str, Any]:
         """Builds this rank's stage, loads its weight shards and allocates its KV cache.
@@ -356,7 +381,10 @@ class LlamaWorker:
         else:
             x = torch.empty(step.num_tokens, self.args.hidden_size, dtype=self.dtype, device=self.device)
             waited = time.perf_counter()
-            dist.recv(x, src=ctx.global_rank - ctx.tp_size)
+            if self._handoff_in is not None:
+                self._handoff_in.recv_into(x)
+            else:
+                dist.recv(x, src=ctx.global_rank - ctx.tp_size)
             self._recv_done = time.perf_counter()
             self._recv_seconds += self._recv_done - waited
         h = stage(x, step, cache, moved_mlp=moved)
@@ -368,6 +396,11 @@ class LlamaWorker:
         return step, h[step.sample_rows]
 
     def _send_next(self, h: torch.Tensor) -> None:
+        if self._handoff_out is not None:
+            waited = self._handoff_out.wait_seconds
+            self._handoff_out.send(h)  # a copy into the ring; waits only if the next stage is a ring behind
+            self._send_wait_seconds += self._handoff_out.wait_seconds - waited
+            return
         pending = self._pending_sends
         while pending and pending[0][0].is_completed():
             pending.popleft()
@@ -419,6 +452,10 @@ class LlamaWorker:
             # Shared-memory tp all-reduces (0 without them): all of it, and waiting for a peer.
             "allreduce_seconds": shm.seconds if shm is not None else 0.0,
             "allreduce_wait_seconds": shm.wait_seconds if shm is not None else 0.0,
+            # How hidden states reach this rank and leave it: "shm" (models/shm_handoff.py),
+            # "dist" (torch.distributed send/recv) or None (first / last stage).
+            "handoff_in": None if self.layout.is_first_stage else ("shm" if self._handoff_in is not None else "dist"),
+            "handoff_out": None if self.layout.is_last_stage else ("shm" if self._handoff_out is not None else "dist"),
             "load_seconds": self.load_seconds,
             "kv_mirror_bytes": mirror.nbytes if mirror is not None else 0,
             "kv_mirror_refilled_rows": mirror.refilled_rows if mirror is not None else 0,
@@ -449,6 +486,9 @@ class LlamaWorker:
         self._pending_sends.clear()
         if self.tp_group.shm is not None:
             self.tp_group.shm.close()
+        for ring in (self._handoff_in, self._handoff_out):
+            if ring is not None:
+                ring.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.stage = None

@@ -99,6 +99,9 @@ class LLM:
         move_boundary_mlp: with pp > 1, the last stage also holds the MLP of the layer
             before its own and runs it on prompt-heavy steps, to even out the stages
             there (models.config.moves_boundary_mlp); True by default.
+        shm_handoff: on CPU with pp > 1, hidden states go to the next stage through a
+            shared-memory ring (models/shm_handoff.py) instead of gloo's send/recv; True
+            by default, gloo where the ring cannot be mapped.
         keep_freed_memory: on CPU, each rank's glibc keeps freed memory in the process
             (models/host_memory.py): faster large steps, RSS stays at its peak.
         max_num_seqs, max_num_batched_tokens: the most sequences / tokens in one batch;
@@ -136,6 +139,7 @@ class LLM:
         prepack_weights: bool = True,
         decode_kernel: bool = True,
         move_boundary_mlp: bool = True,
+        shm_handoff: bool = True,
         keep_freed_memory: bool = True,
         max_num_seqs: int = 256,
         max_num_batched_tokens: Optional[int] = None,
@@ -186,6 +190,8 @@ class LLM:
             worker_kwargs["decode_kernel"] = False
         if not move_boundary_mlp:
             worker_kwargs["move_boundary_mlp"] = False
+        if not shm_handoff:
+            worker_kwargs["shm_handoff"] = False
         if num_threads is not None:
             worker_kwargs["num_threads"] = int(num_threads)
         if layer_split is not None:

@@ -258,21 +258,25 @@ def test_the_boundary_mlp_moved_across_stages_changes_no_token(reference, tp):
         assert [o.token_ids for o in outputs] == expected
         stats = llm.supervisor.collective_rpc("get_stats")
         assert [s["borrowed_mlp"] for s in stats] == [None] * tp + [2] * tp
+        # On CPU the hidden states went through the shared-memory rings (models/shm_handoff.py).
+        assert [(s["handoff_in"], s["handoff_out"]) for s in stats] == [(None, "shm")] * tp + [("shm", None)] * tp
         moved = {s["moved_mlp_steps"] for s in stats}
         assert len(moved) == 1 and moved.pop() > 0
     assert not wait_gone(pids) and not child_pids()
 
 
 def test_plain_weights_and_default_malloc_give_the_same_tokens(reference):
-    """prepack_weights, keep_freed_memory, decode_kernel and move_boundary_mlp off reach every rank and change no token."""
+    """prepack_weights, keep_freed_memory, decode_kernel, move_boundary_mlp and shm_handoff off reach every rank
+    and change no token."""
     path, expected, _ = reference
     with LLM(
         path, tp=2, pp=2, block_size=BLOCK, prepack_weights=False, keep_freed_memory=False, decode_kernel=False,
-        move_boundary_mlp=False, start_timeout=120.0,
+        move_boundary_mlp=False, shm_handoff=False, start_timeout=120.0,
     ) as llm:
         pids = llm.supervisor.pids
         stats = llm.supervisor.collective_rpc("get_stats")
         assert [(s["packed_weights"], s["keeps_freed_memory"], s["decode_kernel"]) for s in stats] == [(0, False, False)] * 4
+        assert [(s["handoff_in"], s["handoff_out"]) for s in stats] == [(None, "dist")] * 2 + [("dist", None)] * 2
         outputs = llm.generate(MANY_PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
         assert [o.token_ids for o in outputs] == expected
         stats = llm.supervisor.collective_rpc("get_stats")

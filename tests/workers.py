@@ -183,3 +183,119 @@ class AllReduceWorker:
             self.shm.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def handoff_message(i: int, seed: int, sizes: list[int]) -> Any:
+    """Message number i of a handoff stream: a seeded tensor, its dtype alternating float32 / bfloat16."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 7919 + i)
+    dtype = torch.float32 if i % 2 == 0 else torch.bfloat16
+    return torch.randn(sizes[i % len(sizes)], generator=g).to(dtype)
+
+
+class HandoffWorker:
+    """Two ranks (pp 0 -> pp 1) joined by a models.shm_handoff ring; rank 0 sends, rank 1 receives."""
+
+    def __init__(self, ctx: ActorContext, capacity: int = 4096, directory: str = "/dev/shm",
+                 timeout_s: float = 60.0):
+        import torch
+        import torch.distributed as dist
+
+        from models.shm_handoff import ShmHandoffReceiver, ShmHandoffSender
+
+        torch.set_num_threads(1)
+        self.rank = ctx.global_rank
+        dist.init_process_group("gloo", init_method=ctx.init_method, rank=self.rank, world_size=ctx.world_size)
+        if self.rank == 0:
+            self.end: Any = ShmHandoffSender.offer(1, capacity=capacity, timeout_s=timeout_s, directory=directory)
+        else:
+            self.end = ShmHandoffReceiver.accept(0, capacity=capacity, timeout_s=timeout_s)
+
+    def attached(self) -> bool:
+        return self.end is not None
+
+    def path(self) -> str:
+        return self.end.path
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def stream(self, count: int, seed: int, sizes: list[int], delay_s: float = 0.0) -> tuple[int, str, float]:
+        """Sends (rank 0) or receives (rank 1) `count` messages; returns (mismatches, digest, this rank's CPU seconds).
+
+        The sender first sleeps delay_s, so the receiver waits for the first message.
+        """
+        import hashlib
+
+        import torch
+
+        cpu = time.process_time()
+        wrong, digest = 0, hashlib.sha256()
+        if self.rank == 0:
+            time.sleep(delay_s)
+        for i in range(count):
+            expected = handoff_message(i, seed, sizes)
+            if self.rank == 0:
+                self.end.send(expected)
+                got = expected
+            else:
+                got = self.end.recv_into(torch.empty_like(expected))
+                wrong += not torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+            digest.update(got.view(torch.uint8).numpy().tobytes())
+        return wrong, digest.hexdigest(), time.process_time() - cpu
+
+    def send_then_close(self, numel: int) -> str:
+        """Rank 0 sends one float32 tensor of numel and closes its end; rank 1 reads twice that."""
+        import torch
+
+        if self.rank == 0:
+            try:
+                self.end.send(torch.ones(numel))
+            except ConnectionError as exc:
+                return str(exc)
+            finally:
+                self.end.close()
+            return "sent"
+        try:
+            self.end.recv_into(torch.empty(2 * numel))
+        except ConnectionError as exc:
+            return str(exc)
+        return "no error"
+
+    def recv_alone(self) -> str:
+        """Rank 1 waits for a message rank 0 never sends (its end's timeout_s)."""
+        import torch
+
+        if self.rank == 0:
+            return "absent"
+        try:
+            self.end.recv_into(torch.empty(4))
+        except TimeoutError as exc:
+            return str(exc)
+        return "no timeout"
+
+    def close_receiver(self) -> bool:
+        if self.rank == 1:
+            self.end.close()
+        return True
+
+    def send_past_a_closed_receiver(self, numel: int) -> str:
+        """Rank 0 sends more than the ring holds to a receiver that closed its end."""
+        import torch
+
+        if self.rank == 1:
+            return "closed"
+        try:
+            self.end.send(torch.ones(numel))
+        except ConnectionError as exc:
+            return str(exc)
+        return "no error"
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if self.end is not None:
+            self.end.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
