@@ -32,12 +32,13 @@ from __future__ import annotations
 import mmap
 import os
 import platform
-import tempfile
 import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from models.shm_file import create_shm_file, map_shm_file
 
 __all__ = ["DEFAULT_CAPACITY", "ShmAllReduce"]
 
@@ -94,16 +95,14 @@ class ShmAllReduce:
         nbytes = cls.nbytes(size, capacity)
         path: Optional[str] = None
         if rank == 0 and platform.machine() in ("x86_64", "AMD64"):
-            path = _create_file(directory, nbytes)
+            path = create_shm_file(directory, _PREFIX, nbytes)
         mm: Optional[mmap.mmap] = None
         try:
             box = [path]
             root = dist.get_global_rank(group, 0) if group is not None else 0
             dist.broadcast_object_list(box, src=root, group=group)
             if box[0] is not None:
-                mm = _map(box[0], nbytes)
-            if mm is not None:
-                torch.frombuffer(mm, dtype=torch.uint8).zero_()  # fault the pages in now, not on the hot path
+                mm = map_shm_file(box[0], nbytes)
             ok = torch.tensor([1 if mm is not None else 0])
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # also: every rank has mapped it
         finally:
@@ -192,33 +191,3 @@ class ShmAllReduce:
         except BufferError:
             pass  # a caller still holds a view; the mapping goes with the process
         self._mm = None
-
-
-def _create_file(directory: str, nbytes: int) -> Optional[str]:
-    try:
-        fd, path = tempfile.mkstemp(prefix=_PREFIX, dir=directory)
-    except OSError:
-        return None
-    try:
-        os.ftruncate(fd, nbytes)
-    except OSError:
-        os.close(fd)
-        os.unlink(path)
-        return None
-    os.close(fd)
-    return path
-
-
-def _map(path: str, nbytes: int) -> Optional[mmap.mmap]:
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:
-        return None
-    try:
-        if os.fstat(fd).st_size != nbytes:
-            return None
-        return mmap.mmap(fd, nbytes)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)

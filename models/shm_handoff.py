@@ -40,12 +40,13 @@ import mmap
 import os
 import platform
 import select
-import tempfile
 import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from models.shm_file import create_shm_file, map_shm_file
 
 __all__ = ["DEFAULT_CAPACITY", "ShmHandoffReceiver", "ShmHandoffSender"]
 
@@ -62,20 +63,26 @@ def _bytes_of(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Ring:
-    def __init__(self, mm: mmap.mmap, capacity: int, peer: int, timeout_s: float) -> None:
+    def __init__(self, mm: mmap.mmap, capacity: int, fifo: int, peer: int, timeout_s: float, path: str) -> None:
         self.capacity, self.peer, self.timeout_s = capacity, peer, timeout_s
         self._mm: Optional[mmap.mmap] = mm
+        self._fifo = fifo
         self._counters = memoryview(mm).cast("q")
         self._data = torch.frombuffer(mm, dtype=torch.uint8)[2 * _LINE : 2 * _LINE + capacity]
-        self.path = ""  # the name the file had before it was removed
-        self.bytes = 0  # moved through the ring so far
+        self.path = path  # the name the file had before it was removed
+        self.bytes = 0  # this end's count: written (sender, W) or read (receiver, R)
         self.wait_seconds = 0.0  # waiting for the peer (bytes to read / room to write)
 
     @staticmethod
     def nbytes(capacity: int) -> int:
         return 2 * _LINE + capacity
 
-    def _close_map(self) -> None:
+    def close(self) -> None:
+        """Closes this end of the FIFO (a receiver then reads end-of-file, a sender gets EPIPE) and unmaps the
+        ring; safe to call twice."""
+        if self._fifo >= 0:
+            os.close(self._fifo)
+            self._fifo = -1
         if self._mm is None:
             return
         self._counters.release()
@@ -89,11 +96,6 @@ class _Ring:
 
 class ShmHandoffSender(_Ring):
     """The sending end: `send(x)` copies x's bytes into the ring and wakes the receiver; build it with `offer`."""
-
-    def __init__(self, mm: mmap.mmap, capacity: int, fifo: int, peer: int, timeout_s: float) -> None:
-        super().__init__(mm, capacity, peer, timeout_s)
-        self._fifo = fifo
-        self._written = 0
 
     @classmethod
     def offer(
@@ -117,7 +119,7 @@ class ShmHandoffSender(_Ring):
             answer = torch.zeros(1, dtype=torch.uint8)
             dist.recv(answer, src=dst)
             if paths and answer.item():
-                mm = _map(paths[0], cls.nbytes(capacity))
+                mm = map_shm_file(paths[0], cls.nbytes(capacity))
                 fifo = _open_fifo(paths[1], os.O_WRONLY)  # the receiver holds the read end open: no wait
             ok = mm is not None and fifo >= 0
             dist.send(torch.tensor([int(ok)], dtype=torch.uint8), dst=dst)
@@ -125,21 +127,16 @@ class ShmHandoffSender(_Ring):
             for path in paths or ():
                 os.unlink(path)
         if not ok:
-            if mm is not None:
-                mm.close()
-            if fifo >= 0:
-                os.close(fifo)
+            _discard(mm, fifo)
             return None
         assert mm is not None and paths is not None
-        sender = cls(mm, capacity, fifo, dst, timeout_s)
-        sender.path = paths[0]
-        return sender
+        return cls(mm, capacity, fifo, dst, timeout_s, paths[0])
 
     def send(self, x: torch.Tensor) -> None:
         """Copies x (any shape and dtype; made contiguous) into the ring; returns once every byte is in it."""
         src = _bytes_of(x.contiguous())
         n, off = src.numel(), 0
-        written, capacity, counters = self._written, self.capacity, self._counters
+        written, capacity, counters = self.bytes, self.capacity, self._counters
         while off < n:
             free = capacity - (written - counters[_R])
             if free <= 0:
@@ -155,8 +152,7 @@ class ShmHandoffSender(_Ring):
             off += k
             counters[_W] = written
             self._ring_doorbell()
-        self._written = written
-        self.bytes += n
+        self.bytes = written
 
     def _ring_doorbell(self) -> None:
         try:
@@ -185,21 +181,10 @@ class ShmHandoffSender(_Ring):
         finally:
             self.wait_seconds += time.perf_counter() - started
 
-    def close(self) -> None:
-        """Closes the FIFO (the receiver then reads end-of-file) and unmaps the ring; safe to call twice."""
-        if self._fifo >= 0:
-            os.close(self._fifo)
-            self._fifo = -1
-        self._close_map()
 
 
 class ShmHandoffReceiver(_Ring):
     """The receiving end: `recv_into(x)` fills x with the next x.nbytes bytes sent; build it with `accept`."""
-
-    def __init__(self, mm: mmap.mmap, capacity: int, fifo: int, peer: int, timeout_s: float) -> None:
-        super().__init__(mm, capacity, peer, timeout_s)
-        self._fifo = fifo
-        self._read = 0
 
     @classmethod
     def accept(
@@ -214,7 +199,7 @@ class ShmHandoffReceiver(_Ring):
         fifo = -1
         paths = raw.decode().split("\0") if raw else []
         if len(paths) == 2:
-            mm = _map(paths[0], cls.nbytes(capacity))
+            mm = map_shm_file(paths[0], cls.nbytes(capacity))
             if mm is not None:
                 fifo = _open_fifo(paths[1], os.O_RDONLY)
         mine = mm is not None and fifo >= 0
@@ -222,15 +207,10 @@ class ShmHandoffReceiver(_Ring):
         theirs = torch.zeros(1, dtype=torch.uint8)
         dist.recv(theirs, src=src)
         if not (mine and theirs.item()):
-            if mm is not None:
-                mm.close()
-            if fifo >= 0:
-                os.close(fifo)
+            _discard(mm, fifo)
             return None
         assert mm is not None
-        receiver = cls(mm, capacity, fifo, src, timeout_s)
-        receiver.path = paths[0]
-        return receiver
+        return cls(mm, capacity, fifo, src, timeout_s, paths[0])
 
     def recv_into(self, x: torch.Tensor) -> torch.Tensor:
         """Fills the contiguous tensor x with the next x's-size bytes the sender sent; returns x."""
@@ -238,7 +218,7 @@ class ShmHandoffReceiver(_Ring):
             raise ValueError("shared-memory handoff: recv_into needs a contiguous tensor")
         dst = _bytes_of(x)
         n, off = dst.numel(), 0
-        read, capacity, counters = self._read, self.capacity, self._counters
+        read, capacity, counters = self.bytes, self.capacity, self._counters
         while off < n:
             avail = counters[_W] - read
             if avail <= 0:
@@ -253,8 +233,7 @@ class ShmHandoffReceiver(_Ring):
             read += k
             off += k
             counters[_R] = read
-        self._read = read
-        self.bytes += n
+        self.bytes = read
         return x
 
     def _wait_for_bytes(self, read: int) -> None:
@@ -277,12 +256,6 @@ class ShmHandoffReceiver(_Ring):
         finally:
             self.wait_seconds += time.perf_counter() - started
 
-    def close(self) -> None:
-        """Closes the FIFO and unmaps the ring; safe to call twice."""
-        if self._fifo >= 0:
-            os.close(self._fifo)
-            self._fifo = -1
-        self._close_map()
 
 
 def _encode(name: bytes) -> torch.Tensor:
@@ -295,18 +268,10 @@ def _encode(name: bytes) -> torch.Tensor:
 
 
 def _create(directory: str, nbytes: int) -> Optional[tuple[str, str]]:
-    """A shared file of nbytes with its space reserved (a full tmpfs fails here, not with SIGBUS later) and a FIFO."""
-    try:
-        fd, path = tempfile.mkstemp(prefix=_PREFIX, dir=directory)
-    except OSError:
+    """The ring's shared file and, beside it, the doorbell FIFO; None where either cannot be made."""
+    path = create_shm_file(directory, _PREFIX, nbytes)
+    if path is None:
         return None
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError:
-        os.close(fd)
-        os.unlink(path)
-        return None
-    os.close(fd)
     fifo = path + ".bell"
     try:
         os.mkfifo(fifo, 0o600)
@@ -316,20 +281,12 @@ def _create(directory: str, nbytes: int) -> Optional[tuple[str, str]]:
     return path, fifo
 
 
-def _map(path: str, nbytes: int) -> Optional[mmap.mmap]:
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:
-        return None
-    try:
-        if os.fstat(fd).st_size != nbytes:
-            return None
-        # Populated now, so the first prompt chunk does not pay the page faults.
-        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+def _discard(mm: Optional[mmap.mmap], fifo: int) -> None:
+    """Undoes a half-made end (the pair declined)."""
+    if mm is not None:
+        mm.close()
+    if fifo >= 0:
+        os.close(fifo)
 
 
 def _open_fifo(path: str, mode: int) -> int:
