@@ -156,27 +156,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
-        # q, k and v as one linear, set by models.fuse.fuse_projections (which drops the three).
-        self.qkv_proj: Optional[nn.Module] = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs, cache: LayerKV
     ) -> torch.Tensor:
         t, hd = x.shape[0], self.head_dim
-        if self.qkv_proj is not None:
-            heads, kv_heads = self.n_heads, self.n_kv_heads
-            qkv = self.qkv_proj(x).view(t, heads + 2 * kv_heads, hd)
-            qk = apply_rotary(qkv[:, : heads + kv_heads], cos, sin)  # queries and keys rotated together
-            q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
-        else:
-            q = apply_rotary(self.q_proj(x).view(t, self.n_heads, hd), cos, sin)
-            k = apply_rotary(self.k_proj(x).view(t, self.n_kv_heads, hd), cos, sin)
-            v = self.v_proj(x).view(t, self.n_kv_heads, hd)
+        q = apply_rotary(self.q_proj(x).view(t, self.n_heads, hd), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(t, self.n_kv_heads, hd), cos, sin)
+        v = self.v_proj(x).view(t, self.n_kv_heads, hd)
         cache.write(k, v, step.slot_mapping)
 
         # A decode-only step's output is the decode group's, in place of a scatter into `out`.
         dec = step.decode
-        out = None if dec is not None and dec.every_row else q.new_empty((t, self.n_heads, hd))
+        out = None if dec is not None and dec.every_row else torch.empty_like(q)
         for p in step.prefills:
             # One sequence's chunk; [1, heads, Q, d] layout for attention.
             qs = q[p.start : p.stop].transpose(0, 1)[None]
@@ -220,13 +212,8 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-        # gate and up as one linear, set by models.fuse.fuse_projections (which drops the two).
-        self.gate_up_proj: Optional[nn.Module] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate).mul_(up))
         if torch.is_grad_enabled():
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         # In place: two fewer [T, intermediate] allocations, whose first touch costs

@@ -45,7 +45,6 @@ from models.config import (
     moves_boundary_mlp,
     resolve_dtype,
 )
-from models.fuse import fuse_projections
 from models.host_memory import keep_freed_memory as _keep_freed_memory
 from models.kv_cache import PagedKVCache
 from models.llama import LlamaStage
@@ -96,8 +95,6 @@ class LlamaWorker:
         kv_mirror_bytes: most bytes of the dense decode copy of keys and values kept across
             steps (models/kv_mirror.py), which spares decode steps gathering every sequence's
             blocks; default kv_cache_bytes on CPU, 0 (off) on GPU.
-        fuse_projections: run each layer's q/k/v and gate/up projections as one matmul
-            each (models/fuse.py); False keeps the checkpoint's separate linears.
         prepack_weights: on CPU, reorder the linear weights once for oneDNN's matmul
             (models/prepack.py) instead of on every call; a no-op where unsupported.
         decode_kernel: attend decode steps over the KV mirror with the numba kernel of
@@ -125,7 +122,6 @@ class LlamaWorker:
         shm_allreduce: bool = True,
         shm_handoff: bool = True,
         kv_mirror_bytes: Optional[int] = None,
-        fuse_projections: bool = True,
         prepack_weights: bool = True,
         keep_freed_memory: bool = True,
         decode_kernel: bool = True,
@@ -168,8 +164,6 @@ class LlamaWorker:
         # The shared-memory rings to the previous and next stage (None: gloo, or no such stage).
         self._handoff_in: Optional[ShmHandoffReceiver] = None
         self._handoff_out: Optional[ShmHandoffSender] = None
-        self.fuse_projections = bool(fuse_projections)
-        self.num_fused = 0
         self.prepack_weights = bool(prepack_weights)
         self.decode_kernel = bool(decode_kernel)
         # Before the weights and KV cache are allocated, so those too come from the heap.
@@ -249,8 +243,6 @@ class LlamaWorker:
             raise RuntimeError(f"{self.where}: call init_distributed() before load_model()")
         num_blocks = self._num_blocks()  # before reading weights: a budget too small fails fast
         stage, report = load_stage(layout, self.model_path, self.dtype, self.device, self.tp_group)
-        if self.fuse_projections:
-            self.num_fused = fuse_projections(stage)
         if self.prepack_weights:
             self.num_packed = prepack_stage(stage)  # 0 where unsupported (GPU, float16, no oneDNN)
         self.stage = stage
@@ -299,7 +291,6 @@ class LlamaWorker:
             "dtype": str(self.dtype).removeprefix("torch."),
             "load_seconds": self.load_seconds,
             "packed_weights": self.num_packed,
-            "fused_modules": self.num_fused,
             "decode_kernel": self.decode_kernel,
         }
 
@@ -470,7 +461,6 @@ class LlamaWorker:
             "kv_mirror_refilled_rows": mirror.refilled_rows if mirror is not None else 0,
             "kv_mirror_fallbacks": mirror.fallbacks if mirror is not None else 0,
             "packed_weights": self.num_packed,
-            "fused_modules": self.num_fused,
             "decode_kernel": self.decode_kernel,
             "keeps_freed_memory": self.keeps_freed_memory,
             "dtype": str(self.dtype).removeprefix("torch."),

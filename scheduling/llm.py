@@ -91,8 +91,6 @@ class LLM:
         kv_mirror_bytes: per rank, the most bytes of the dense decode copy of keys and values
             kept across steps (models/kv_mirror.py); default kv_cache_bytes on CPU (so KV
             memory at most doubles), 0 on GPU; 0 turns it off.
-        fuse_projections: each layer's q/k/v and gate/up projections run as one matmul
-            each (models/fuse.py); True by default.
         prepack_weights: on CPU, reorder every rank's linear weights once for oneDNN's
             matmul (models/prepack.py); True by default, a no-op where unsupported.
         decode_kernel: on CPU, decode attention over the KV mirror runs in one numba
@@ -138,7 +136,6 @@ class LLM:
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         block_size: int = 16,
         kv_mirror_bytes: Optional[int] = None,
-        fuse_projections: bool = True,
         prepack_weights: bool = True,
         decode_kernel: bool = True,
         move_boundary_mlp: bool = True,
@@ -185,8 +182,6 @@ class LLM:
         )
         if kv_mirror_bytes is not None:
             worker_kwargs["kv_mirror_bytes"] = int(kv_mirror_bytes)
-        if not fuse_projections:
-            worker_kwargs["fuse_projections"] = False
         if not prepack_weights:
             worker_kwargs["prepack_weights"] = False
         if not keep_freed_memory:

@@ -138,7 +138,6 @@ def main() -> None:
     parser.add_argument("--no-decode-kernel", action="store_true", help="SDPA for decode attention (models/decode_attention.py off)")
     parser.add_argument("--no-move-mlp", action="store_true", help="the boundary MLP always on its own stage (LLM move_boundary_mlp=False)")
     parser.add_argument("--no-shm-handoff", action="store_true", help="hidden states between stages through gloo send/recv (LLM shm_handoff=False)")
-    parser.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up linears (LLM fuse_projections=False)")
     args = parser.parse_args()
     options: dict = {}
     if args.max_num_batched_tokens:
@@ -153,8 +152,6 @@ def main() -> None:
         options["move_boundary_mlp"] = False
     if args.no_shm_handoff:
         options["shm_handoff"] = False
-    if args.no_fuse:
-        options["fuse_projections"] = False
     inflights = args.inflight or ([2, 1] if args.config == "pp2" else [None])
     for inflight in inflights:
         print(json.dumps(run(args.config, inflight, args.dtype, options)), flush=True)

@@ -163,8 +163,6 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
         out.append("--no-move-mlp")
     if args.no_shm_handoff:
         out.append("--no-shm-handoff")
-    if args.no_fuse:
-        out.append("--no-fuse")
     return out
 
 
@@ -181,7 +179,6 @@ def main() -> None:
     parser.add_argument("--no-decode-kernel", action="store_true", help="SDPA for decode attention (models/decode_attention.py off)")
     parser.add_argument("--no-move-mlp", action="store_true", help="the boundary MLP always on its own stage (LLM move_boundary_mlp=False)")
     parser.add_argument("--no-shm-handoff", action="store_true", help="hidden states between stages through gloo send/recv (LLM shm_handoff=False)")
-    parser.add_argument("--no-fuse", action="store_true", help="separate q/k/v and gate/up linears (LLM fuse_projections=False)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration here
     args = parser.parse_args()
     engine_options: dict = {}
@@ -197,8 +194,6 @@ def main() -> None:
         engine_options["move_boundary_mlp"] = False
     if args.no_shm_handoff:
         engine_options["shm_handoff"] = False
-    if args.no_fuse:
-        engine_options["fuse_projections"] = False
     if args.one:
         if args.layer_split and CONFIGS.get(args.one, {}).get("pp", 1) > 1:
             engine_options["layer_split"] = args.layer_split
