@@ -36,6 +36,7 @@ PROFILED_STEPS = range(20, 40)
 def run(
     threads: int, cpus: list[int], dtype: str, kv_mirror_mb: int, profile: bool,
     prepack: bool = True, keep_memory: bool = True, decode_kernel: bool = True, top: int = 8,
+    max_num_seqs: int = 256,
 ) -> dict:
     import prompt_sets
 
@@ -49,7 +50,7 @@ def run(
     worker.init_distributed()
     info = worker.load_model()
     # The engine's single-stage defaults (LLM's max_num_seqs and token budget).
-    sched = Scheduler(256, default_max_num_batched_tokens(1), info["num_blocks"], info["block_size"], 2048)
+    sched = Scheduler(max_num_seqs, default_max_num_batched_tokens(1), info["num_blocks"], info["block_size"], 2048)
     params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
     for i, spec in enumerate(prompt_sets.random_prompts(NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, worker.args.vocab_size, seed=0)):
         sched.add_request(Request(str(i), list(spec.prompt_token_ids), params))
@@ -82,6 +83,7 @@ def run(
         "dtype": str(worker.dtype).removeprefix("torch."),
         "kv_mirror_mb": kv_mirror_mb,
         "packed_weights": info["packed_weights"],
+        "max_num_seqs": max_num_seqs,
         "decode_kernel": decode_kernel,
         "keeps_freed_memory": worker.keeps_freed_memory,
         "prefill_s": round(prefill_s, 3),
@@ -109,13 +111,14 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=8, help="with --profile, how many ops to list")
     parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights (models/prepack.py off)")
     parser.add_argument("--no-decode-kernel", action="store_true", help="SDPA for decode attention (models/decode_attention.py off)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per batch (so decode rows per step: at most 64 here)")
     parser.add_argument("--release-memory", action="store_true", help="glibc's default malloc (models/host_memory.py off)")
     args = parser.parse_args()
     cpus = args.cpu or list(range(args.threads))
     line = run(
         args.threads, cpus, args.dtype, args.kv_mirror_mb, args.profile,
         prepack=not args.no_prepack, keep_memory=not args.release_memory, decode_kernel=not args.no_decode_kernel,
-        top=args.top,
+        top=args.top, max_num_seqs=args.max_num_seqs,
     )
     print(json.dumps(line), flush=True)
 
