@@ -125,6 +125,8 @@ class Router:
         self._failure: Optional[ActorError] = None
         self._closed = False
         self._fds_released = False
+        # Whether the router thread sleeps without reading replies (see wake()).
+        self._idle = True
         self._spin_s = gang.spin_us * 1e-6
         self._thread = threading.Thread(target=self._run, name=f"pipeactors-router-e{gang.epoch}", daemon=True)
         self._thread.start()
@@ -150,7 +152,15 @@ class Router:
             self._pending[call.call_id] = call
 
     def wake(self) -> None:
-        """Make sure somebody reads replies (after an asynchronous submit)."""
+        """Make sure somebody reads replies (after an asynchronous submit).
+
+        Only an idle router thread is poked: one already reading replies reads the new
+        call's too, and a poke would only cost it a wake-up (a context switch on a core
+        that a rank is computing on).
+        """
+        with self._lock:
+            if not self._idle:
+                return
         _poke(self._router_wake[1])
 
     def wait(self, call: PendingCall) -> Any:
@@ -231,9 +241,19 @@ class Router:
                 finally:
                     self._reader.release()
                 continue
-            for fd, _ in self._idle_poll.poll():
-                if fd in self._sentinel_rank:
-                    self._actor_gone(self._sentinel_rank[fd])
+            with self._lock:
+                # Look again under the lock: a call registered since the look above found
+                # this thread not idle, so its wake() did not poke.
+                if self._closed or self._failure is not None or (self._pending and not self._reader.locked()):
+                    continue
+                self._idle = True
+            try:
+                for fd, _ in self._idle_poll.poll():
+                    if fd in self._sentinel_rank:
+                        self._actor_gone(self._sentinel_rank[fd])
+            finally:
+                with self._lock:
+                    self._idle = False
 
     def _pump(self, until: Callable[[], bool], as_router: bool) -> None:
         poller = self._router_poll if as_router else self._caller_poll

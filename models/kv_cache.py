@@ -179,7 +179,7 @@ class PagedKVCache:
             mirror.invalidate(step.prefill_seq_ids)
         dec = step.decode
         if dec is not None and dec.seq_ids:
-            dec.mirror = mirror.plan(dec.seq_ids, dec.positions, dec.tables, dec.key_mask)
+            dec.mirror = mirror.plan(dec)
 
     def end_step(self, step: "StepInputs") -> None:
         """Records what the step wrote into the mirror (after the last layer ran)."""

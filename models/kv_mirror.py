@@ -30,9 +30,12 @@ so a step that fails half way leaves no row that claims data it does not hold.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from models.step import DecodeGroup
 
 __all__ = ["KVMirror", "MirrorPlan"]
 
@@ -141,15 +144,14 @@ class KVMirror:
                 if row is not None:
                     entry.forget(row)
 
-    def plan(
-        self, seq_ids: Sequence[int], positions: Sequence[int], tables: Sequence[Sequence[int]], key_mask: torch.Tensor
-    ) -> Optional[MirrorPlan]:
-        """Rows for a decode group (sequence i writes position positions[i] with block table tables[i]).
+    def plan(self, group: "DecodeGroup") -> Optional[MirrorPlan]:
+        """Rows for a decode group (its sequence i writes position positions[i] with block table tables[i]).
 
-        `key_mask` [B, 1, 1, L] is the group's mask over its padded block tables. None
+        The rows span the group's padded block tables (L = width * block_size). None
         when the group does not fit the budget: the caller gathers from the paged cache.
         """
-        b, length = len(seq_ids), int(key_mask.shape[-1])
+        seq_ids, positions, tables = group.seq_ids, group.positions, group.tables
+        b, length = len(seq_ids), group.width * self.block_size
         self._clock += 1
         entry = self._pick(seq_ids)
         if entry is None or entry.rows < b or entry.len_cap < length:
@@ -206,6 +208,7 @@ class KVMirror:
         row_ids = torch.tensor(rows, dtype=torch.long, device=self.device)
         mask = None
         if not identity:
+            key_mask = group.key_mask
             mask = torch.zeros((span, 1, 1, length), dtype=torch.bool, device=key_mask.device)
             mask[..., 0] = True  # padding rows attend to one finite key; their output is dropped
             mask[row_ids.to(key_mask.device)] = key_mask
