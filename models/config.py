@@ -12,6 +12,8 @@ that cannot work, naming the rank that found the problem.
 
 from __future__ import annotations
 
+import enum
+
 import json
 import logging
 import math
@@ -24,12 +26,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "BoundaryMove",
     "LlamaArgs",
     "Layout",
     "ModelConfigError",
     "check_layout",
     "layer_matmul_macs",
     "lm_head_layers",
+    "boundary_move",
     "load_config",
     "moves_boundary_mlp",
     "cpu_has_native_bf16",
@@ -268,32 +272,61 @@ def lm_head_layers(args: LlamaArgs, tokens_per_sample: float = TOKENS_PER_SAMPLE
     return head / (1.0 + prompt_tokens * PROMPT_TOKEN_COST)
 
 
-# Shares of a decoder layer's time spent in its MLP half, measured like the constants
-# above (default model, bfloat16, one thread, packed weights): 0.72 ms of a 32-row
-# decode step's ~2.8 ms a layer (the attention kernel takes most of the rest) and
-# 10.4 ms of a 512-token prompt chunk's ~19 ms.
-DECODE_MLP_SHARE = 0.26
-PROMPT_MLP_SHARE = 0.55
+# Shares of a decoder layer's time spent in its MLP half, and in computing the layer's
+# keys and values (input norm, k and v projections, rotating the keys, writing the
+# cache: what a stage still does for a layer it lends whole to the next stage).
+# Measured with tools/bench_layer_parts.py (default model, bfloat16, one thread,
+# packed weights, the decode kernel): a 32-row decode step over ~160 positions spends
+# 0.80-0.85 ms of a layer's 2.35-2.65 ms in the MLP and 0.25-0.30 ms in the keys and
+# values (the attention kernel takes most of the rest); a 512-token step of 128-token
+# prompts 11.0-11.1 ms of 18.2-18.4 ms in the MLP and 1.75-1.77 ms in keys and values.
+DECODE_MLP_SHARE = 0.33
+PROMPT_MLP_SHARE = 0.60
+DECODE_KV_SHARE = 0.11
+PROMPT_KV_SHARE = 0.10
 
 
-def moves_boundary_mlp(layout: "Layout", num_tokens: int, num_decode_rows: int, num_sampled: int) -> bool:
-    """Whether a step runs the last pipeline boundary's MLP on the last stage (see `LlamaStage`).
+class BoundaryMove(enum.IntEnum):
+    """How much of the last pipeline boundary's layer a step runs on the last stage (see `LlamaStage`).
+
+    NONE: all of it on its own stage. MLP: its MLP half. LAYER: everything but its keys
+    and values (the layer's attention too; the last stage keeps its own copy of the
+    layer's KV cache for that, written from the keys and values sent every step).
+    """
+
+    NONE = 0
+    MLP = 1
+    LAYER = 2
+
+
+def boundary_move(layout: "Layout", num_tokens: int, num_decode_rows: int, num_sampled: int) -> BoundaryMove:
+    """How much of the last boundary's layer a step moves to the last stage.
 
     A split balanced for decode leaves the last stage idle for part of a prompt-heavy
-    step, whose LM head work is small. Moving the MLP half of the previous stage's last
-    layer across is right when it lowers the busier stage's estimated cost (the cost
-    model of `split_layers`). Every rank of both stages decides alike from the step's shape.
+    step, whose LM head work is small. Of the moves the layout allows, the one with the
+    lowest estimated cost of the busier of the two stages wins (the cost model of
+    `split_layers`), ties going to the smaller move. Every rank of both stages decides
+    alike from the step's shape.
     """
     if not layout.move_boundary_mlp or layout.pp_size < 2:
-        return False
+        return BoundaryMove.NONE
     stages = layout.stage_layers
     prompt = num_tokens - num_decode_rows
     per_layer = num_decode_rows + prompt * PROMPT_TOKEN_COST
     mlp = num_decode_rows * DECODE_MLP_SHARE + prompt * PROMPT_TOKEN_COST * PROMPT_MLP_SHARE
+    kv = num_decode_rows * DECODE_KV_SHARE + prompt * PROMPT_TOKEN_COST * PROMPT_KV_SHARE
     head = num_sampled * lm_head_layers(layout.args, tokens_per_sample=1.0)
     giver = len(stages[-2]) * per_layer
     taker = len(stages[-1]) * per_layer + head
-    return max(giver - mlp, taker + mlp) < max(giver, taker)
+    moved = {BoundaryMove.NONE: 0.0, BoundaryMove.MLP: mlp}
+    if layout.moves_attention:
+        moved[BoundaryMove.LAYER] = per_layer - kv
+    return min(moved, key=lambda m: (max(giver - moved[m], taker + moved[m]), m))
+
+
+def moves_boundary_mlp(layout: "Layout", num_tokens: int, num_decode_rows: int, num_sampled: int) -> bool:
+    """Whether a step runs the last boundary's MLP on the last stage (a move of MLP or LAYER)."""
+    return boundary_move(layout, num_tokens, num_decode_rows, num_sampled) != BoundaryMove.NONE
 
 
 def split_layers(
@@ -359,8 +392,11 @@ class Layout:
     pp_size: int = 1
     layer_split: Optional[tuple[int, ...]] = None
     # The last stage also holds the MLP of the layer before its own, so prompt-heavy steps
-    # can run it there (moves_boundary_mlp).
+    # can run it there (boundary_move).
     move_boundary_mlp: bool = False
+    # With move_boundary_mlp: it holds that whole layer and a copy of its KV cache, so
+    # steps can move its attention too.
+    move_boundary_attention: bool = False
 
     @property
     def rank_label(self) -> str:
@@ -387,6 +423,36 @@ class Layout:
     def lends_mlp(self) -> bool:
         """Whether this stage's last layer's MLP may run on the next stage instead."""
         return self.move_boundary_mlp and self.pp_size >= 2 and self.pp == self.pp_size - 2
+
+    @property
+    def moves_attention(self) -> bool:
+        """Whether the last boundary's whole layer may move: asked for, and free in KV memory.
+
+        The last stage then keeps that layer's keys and values too. That costs no KV
+        blocks when it still keeps no more layers than another stage does, which is also
+        the only case where moving work onto it can pay (the cache is sized by the stage
+        with the most layers, and the last stage has the LM head on top).
+        """
+        if not (self.move_boundary_mlp and self.move_boundary_attention and self.pp_size >= 2):
+            return False
+        counts = [len(r) for r in self.stage_layers]
+        return counts[-1] + 1 <= max(counts)
+
+    @property
+    def borrows_attention(self) -> bool:
+        """Whether this (last) stage holds the borrowed layer whole, with a KV cache for it."""
+        return self.borrowed_mlp is not None and self.moves_attention
+
+    @property
+    def lends_attention(self) -> bool:
+        """Whether this stage's last layer may run on the next stage, all but its keys and values."""
+        return self.lends_mlp and self.moves_attention
+
+    @property
+    def cache_layers(self) -> list[int]:
+        """The layers whose keys and values this rank keeps: its own, then a borrowed one."""
+        own = list(self.layers)
+        return own + [self.layers.start - 1] if self.borrows_attention else own
 
     @property
     def is_first_stage(self) -> bool:

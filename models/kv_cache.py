@@ -98,10 +98,21 @@ class LayerKV:
         # The kernel has no backward: a query that needs gradients goes through SDPA.
         if plan is None or not self.decode_kernel or q.requires_grad or not decode_attention.supports(self.k):
             return None
-        assert self.mirror is not None
+        assert self.mirror is not None  # decode_kernel implies a mirror
         self.mirror.layer_kv(plan, self.index, self.k, self.v, decode.take(k), decode.take(v))
         k_buf, v_buf = plan.entry.storage[self.index]  # [rows, kv_heads, len_cap, head_dim] each
         return decode_attention.mirror_decode_attention(q, k_buf, v_buf, plan.rows, plan.counts, scale)
+
+    def update_mirror(self, decode: "DecodeGroup", k: torch.Tensor, v: torch.Tensor) -> None:
+        """Brings a decode group's mirror rows of this layer up to date without attending (call after `write`).
+
+        For a step that writes this layer's keys and values but attends them elsewhere (a
+        moved pipeline boundary layer): the mirror's rows count as current for every layer
+        once the step ends. k, v as for `decode_kv`.
+        """
+        plan = decode.mirror
+        if plan is not None and self.mirror is not None:
+            self.mirror.layer_kv(plan, self.index, self.k, self.v, decode.take(k), decode.take(v))
 
     def decode_kv(
         self, decode: "DecodeGroup", k: torch.Tensor, v: torch.Tensor
@@ -114,16 +125,21 @@ class LayerKV:
         the other rows being padding (mask [R, 1, 1, L]).
         """
         plan = decode.mirror
-        if plan is None:
+        if plan is None or self.mirror is None:  # no mirror this step, or none of this layer
             ks, vs = self.gather(decode.block_tables)
             return ks, vs, decode.key_mask, None
-        assert self.mirror is not None
         ks, vs = self.mirror.layer_kv(plan, self.index, self.k, self.v, decode.take(k), decode.take(v))
         return (ks, vs, decode.key_mask, None) if plan.identity else (ks, vs, plan.mask, plan.rows)
 
 
 class PagedKVCache:
-    """Key and value blocks for a contiguous range of layers, allocated once within a byte budget."""
+    """Key and value blocks for a set of layers, allocated once within a byte budget.
+
+    `unmirrored` layers get no rows in the decode mirror: layers a step may skip (a
+    borrowed pipeline boundary layer, see `LlamaStage`), whose mirror rows would go
+    stale while the mirror's bookkeeping, shared by all layers, calls them current.
+    Their decode attention gathers blocks.
+    """
 
     def __init__(
         self,
@@ -137,6 +153,7 @@ class PagedKVCache:
         mirror_bytes: int = 0,
         mirror_entries: int = 1,
         decode_kernel: bool = True,
+        unmirrored: Sequence[int] = (),
     ) -> None:
         self.layer_ids = list(layers)
         self.num_blocks = num_blocks
@@ -144,16 +161,20 @@ class PagedKVCache:
         shape = (len(self.layer_ids), 2, num_blocks, block_size, num_kv_heads, head_dim)
         self.storage = torch.zeros(shape, dtype=dtype, device=device)
         workspace = _Workspace(self.storage[0, 0])
+        mirrored = [layer for layer in self.layer_ids if layer not in set(unmirrored)]
         # Decode steps attend a dense copy kept across steps instead of gathering blocks.
         self.mirror: Optional[KVMirror] = (
-            KVMirror(len(self.layer_ids), num_kv_heads, head_dim, block_size, dtype, device, mirror_bytes, mirror_entries)
-            if mirror_bytes > 0
+            KVMirror(len(mirrored), num_kv_heads, head_dim, block_size, dtype, device, mirror_bytes, mirror_entries)
+            if mirror_bytes > 0 and mirrored
             else None
         )
-        self._layers = {
-            layer: LayerKV(self.storage[i, 0], self.storage[i, 1], workspace, self.mirror, i, decode_kernel)
-            for i, layer in enumerate(self.layer_ids)
-        }
+        self._layers: dict[int, LayerKV] = {}
+        for i, layer in enumerate(self.layer_ids):
+            k, v = self.storage[i, 0], self.storage[i, 1]
+            if layer in mirrored:
+                self._layers[layer] = LayerKV(k, v, workspace, self.mirror, mirrored.index(layer), decode_kernel)
+            else:
+                self._layers[layer] = LayerKV(k, v, workspace)
 
     @staticmethod
     def bytes_per_block(

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.argmax import row_argmax
-from models.config import LlamaArgs
+from models.config import BoundaryMove, LlamaArgs
 from models.kv_cache import LayerKV, PagedKVCache
 from models.step import StepInputs
 
@@ -157,13 +157,25 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
 
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys (rotated) and values [T, kv_heads, head_dim] of the normed input x."""
+        t, hd = x.shape[0], self.head_dim
+        k = apply_rotary(self.k_proj(x).view(t, self.n_kv_heads, hd), cos, sin)
+        return k, self.v_proj(x).view(t, self.n_kv_heads, hd)
+
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs, cache: LayerKV
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: StepInputs,
+        cache: LayerKV,
+        kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> torch.Tensor:
+        """Attention of the normed input x; `kv`: its keys and values if already computed (`project_kv`)."""
         t, hd = x.shape[0], self.head_dim
         q = apply_rotary(self.q_proj(x).view(t, self.n_heads, hd), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(t, self.n_kv_heads, hd), cos, sin)
-        v = self.v_proj(x).view(t, self.n_kv_heads, hd)
+        k, v = kv if kv is not None else self.project_kv(x, cos, sin)
         cache.write(k, v, step.slot_mapping)
 
         # A decode-only step's output is the decode group's, in place of a scatter into `out`.
@@ -244,14 +256,34 @@ class DecoderLayer(nn.Module):
         return self.mlp_half(self.attention_half(x, cos, sin, step, cache))
 
     def attention_half(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs, cache: LayerKV
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: StepInputs,
+        cache: LayerKV,
+        kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        normed: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """x + attention(norm(x)): the residual stream between the layer's two halves."""
+        """x + attention(norm(x)): the residual stream between the layer's two halves.
+
+        `kv` and `normed`: the keys and values of x and norm(x), where already computed.
+        """
         assert self.self_attn is not None and self.input_layernorm is not None, "an MLP-only layer"
+        if normed is None:
+            normed = self.input_layernorm(x)
         if torch.is_grad_enabled():
-            return x + self.self_attn(self.input_layernorm(x), cos, sin, step, cache)
+            return x + self.self_attn(normed, cos, sin, step, cache, kv)
         # The residual add lands in the fresh attention output: no [T, hidden] allocation.
-        return self.self_attn(self.input_layernorm(x), cos, sin, step, cache).add_(x)
+        return self.self_attn(normed, cos, sin, step, cache, kv).add_(x)
+
+    def input_kv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """norm(x) and the keys and values the layer's attention makes of it."""
+        assert self.self_attn is not None and self.input_layernorm is not None, "an MLP-only layer"
+        normed = self.input_layernorm(x)
+        return normed, self.self_attn.project_kv(normed, cos, sin)
 
     def mlp_half(self, h: torch.Tensor) -> torch.Tensor:
         """h + mlp(norm(h))."""
@@ -268,29 +300,43 @@ class LlamaStage(nn.Module):
     Build it on the meta device, shard it, then materialize and load it.
 
     `borrowed_mlp` names the layer, owned by the previous stage, whose MLP half this
-    stage holds as well (`layers.{i}.mlp.*` and its post-attention norm, no attention,
-    no KV cache). A step run with `moved_mlp=True` moves that MLP across the boundary:
-    the previous stage stops after its last layer's attention half and this stage runs
-    the MLP half first. The MLP has no state, so each step may choose either side;
-    prompt-heavy steps, whose LM head work is small, balance better with it moved.
+    stage holds as well (`layers.{i}.mlp.*` and its post-attention norm), and with
+    `borrowed_attention` the rest of that layer too. Each step then says how much of
+    that boundary layer runs here (`move`, a `BoundaryMove`): NONE, all of it on the
+    previous stage; MLP, the previous stage stops after the layer's attention half and
+    this stage runs the MLP half first; LAYER, the previous stage only computes the
+    layer's keys and values and this stage runs the rest. The MLP has no state. The
+    attention has: the KV cache of that layer, which both stages keep, because the
+    previous stage sends the layer's keys and values with every step's hidden states
+    (`boundary_kv`). Prompt-heavy steps, whose LM head work is small, balance better
+    with more moved.
     """
 
     def __init__(
-        self, args: LlamaArgs, layer_ids: range, first: bool, last: bool, borrowed_mlp: Optional[int] = None
+        self,
+        args: LlamaArgs,
+        layer_ids: range,
+        first: bool,
+        last: bool,
+        borrowed_mlp: Optional[int] = None,
+        borrowed_attention: bool = False,
     ) -> None:
         super().__init__()
         self.args = args
         self.layer_ids = layer_ids
         if borrowed_mlp is not None and borrowed_mlp != layer_ids.start - 1:
             raise ValueError(f"borrowed_mlp={borrowed_mlp} is not the layer before {layer_ids}")
+        if borrowed_attention and borrowed_mlp is None:
+            raise ValueError("borrowed_attention needs borrowed_mlp")
         self.borrowed_mlp = borrowed_mlp
+        self.borrowed_attention = borrowed_attention
         self.embed_tokens: Optional[nn.Module] = (
             Embedding(args.vocab_size, args.hidden_size) if first else None
         )
         self.layers = nn.ModuleDict({str(i): DecoderLayer(args) for i in layer_ids})
         if borrowed_mlp is not None:
             # Keyed by its global index like any layer, so its parameters are named as in the checkpoint.
-            self.layers[str(borrowed_mlp)] = DecoderLayer(args, attention=False)
+            self.layers[str(borrowed_mlp)] = DecoderLayer(args, attention=borrowed_attention)
         self.norm: Optional[RMSNorm] = RMSNorm(args.hidden_size, args.rms_norm_eps) if last else None
         self.lm_head: Optional[nn.Module] = (
             nn.Linear(args.hidden_size, args.vocab_size, bias=False) if last else None
@@ -299,29 +345,79 @@ class LlamaStage(nn.Module):
         self.inv_freq = rope_inv_freq(args)
 
     def forward(
-        self, inputs: torch.Tensor, step: StepInputs, cache: PagedKVCache, moved_mlp: bool = False
+        self,
+        inputs: torch.Tensor,
+        step: StepInputs,
+        cache: PagedKVCache,
+        move: int = BoundaryMove.NONE,
+        boundary_kv: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after this stage's layers.
 
         `inputs` is token ids [T] on the first stage and the previous stage's hidden states otherwise.
-        `moved_mlp`: the boundary MLP runs on the next stage this step; a stage that holds a
-        borrowed MLP runs it first, any other stage leaves out its last layer's MLP half.
+        `move`: how much of the last boundary's layer runs on the next stage this step (a
+        `BoundaryMove`; True means MLP). A stage holding a borrowed layer runs that part
+        first; the stage it belongs to leaves it out.
+        `boundary_kv` [T, 2, kv_heads, head_dim]: the boundary layer's keys and values of
+        these tokens. The stage that owns the layer writes them into it (pass an empty
+        tensor), a stage that borrows the layer with its attention reads them.
         """
+        move = BoundaryMove(int(move))
         h = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
-        if moved_mlp and self.borrowed_mlp is not None:
-            h = self.layers[str(self.borrowed_mlp)].mlp_half(h)
         cos, sin = rotary_cos_sin(step.positions, self.inv_freq, h.dtype)
         cache.begin_step(step)
+        if self.borrowed_mlp is not None:
+            borrowed = self.layers[str(self.borrowed_mlp)]
+            if self.borrowed_attention:
+                if boundary_kv is None:
+                    raise ValueError("a stage that borrows the boundary attention needs its keys and values")
+                kv = (boundary_kv[:, 0], boundary_kv[:, 1])
+                layer_cache = cache.layer(self.borrowed_mlp)
+                if move == BoundaryMove.LAYER:
+                    h = borrowed.attention_half(h, cos, sin, step, layer_cache, kv=kv)
+                else:
+                    layer_cache.write(*kv, step.slot_mapping)
+            elif move == BoundaryMove.LAYER:
+                raise ValueError("move=LAYER on a stage that holds only the boundary MLP")
+            if move != BoundaryMove.NONE:
+                h = borrowed.mlp_half(h)
         last = self.layer_ids[-1]
         for index in self.layer_ids:
             layer = self.layers[str(index)]
-            kv = cache.layer(index)
-            if moved_mlp and index == last and self.borrowed_mlp is None:
-                h = layer.attention_half(h, cos, sin, step, kv)
+            kv_cache = cache.layer(index)
+            if index == last and self.borrowed_mlp is None and (boundary_kv is not None or move != BoundaryMove.NONE):
+                h = self._lend(layer, h, cos, sin, step, kv_cache, move, boundary_kv)
             else:
-                h = layer(h, cos, sin, step, kv)
+                h = layer(h, cos, sin, step, kv_cache)
         cache.end_step(step)
         return h
+
+    @staticmethod
+    def _lend(
+        layer: DecoderLayer,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: StepInputs,
+        cache: LayerKV,
+        move: BoundaryMove,
+        boundary_kv: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """This stage's last layer, less the part that `move` gives to the next stage."""
+        if boundary_kv is None:
+            if move == BoundaryMove.LAYER:
+                raise ValueError("move=LAYER needs boundary_kv to send the layer's keys and values")
+            return layer.attention_half(h, cos, sin, step, cache)  # move == MLP
+        normed, (k, v) = layer.input_kv(h, cos, sin)
+        boundary_kv[:, 0] = k
+        boundary_kv[:, 1] = v
+        if move == BoundaryMove.LAYER:
+            cache.write(k, v, step.slot_mapping)
+            if step.decode is not None:  # its rows in the decode mirror must stay current
+                cache.update_mirror(step.decode, k, v)
+            return h
+        h = layer.attention_half(h, cos, sin, step, cache, kv=(k, v), normed=normed)
+        return h if move == BoundaryMove.MLP else layer.mlp_half(h)
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of the rows of hidden states `h` (last stage only)."""

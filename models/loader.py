@@ -217,7 +217,12 @@ def load_stage(
     tp = tp if tp is not None else TPGroup(layout.tp, layout.tp_size, None)
     with torch.device("meta"):
         stage = LlamaStage(
-            args, layout.layers, layout.is_first_stage, layout.is_last_stage, borrowed_mlp=layout.borrowed_mlp
+            args,
+            layout.layers,
+            layout.is_first_stage,
+            layout.is_last_stage,
+            borrowed_mlp=layout.borrowed_mlp,
+            borrowed_attention=layout.borrows_attention,
         )
         specs = shard_stage(stage, layout, tp) if layout.tp_size > 1 else {}
     materialize(stage, dtype, device)

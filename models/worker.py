@@ -9,7 +9,9 @@ tokens are laid end to end (T tokens in batch order, see models/step.py), so eve
 rank knows T and the shapes of what it receives without a message. Stage 0 embeds
 the token ids; each stage runs its layers, writing keys and values into its paged
 cache at the slots the chunks' block tables name; a stage that is not the last
-sends its hidden states [T, hidden] to the same tp rank of the next stage. The
+sends its hidden states [T, hidden] to the same tp rank of the next stage (and,
+where the last stage keeps a copy of the boundary layer's cache, that layer's keys
+and values [T, 2, kv_heads, head_dim] after them: see `LlamaStage`). The
 last stage computes logits only for the last token of each chunk with `sample`
 set, gathers them over tp on tp rank 0 (the output rank), which samples
 and returns a `ModelOutput`; every other rank returns None.
@@ -38,11 +40,12 @@ import torch.distributed as dist
 from models import argmax, decode_attention
 from models.batch import ModelBatch, ModelOutput
 from models.config import (
+    BoundaryMove,
     Layout,
     ModelConfigError,
+    boundary_move,
     check_layout,
     load_config,
-    moves_boundary_mlp,
     resolve_dtype,
 )
 from models.host_memory import keep_freed_memory as _keep_freed_memory
@@ -105,7 +108,11 @@ class LlamaWorker:
             warm pages instead of faulting in fresh ones; the rank's RSS then stays at its peak.
         move_boundary_mlp: with pp_size > 1, the last stage also holds the MLP of the layer
             before its first, and runs it on prompt-heavy steps, which a split balanced for
-            decode leaves short of work there (models.config.moves_boundary_mlp, LlamaStage).
+            decode leaves short of work there (models.config.boundary_move, LlamaStage).
+        move_boundary_attention: with move_boundary_mlp, the last stage holds that whole
+            layer and a copy of its KV cache (the previous stage sends the layer's keys and
+            values with every step), so a prompt-heavy step can run all of the layer but its
+            keys and values there.
     """
 
     def __init__(
@@ -126,6 +133,7 @@ class LlamaWorker:
         keep_freed_memory: bool = True,
         decode_kernel: bool = True,
         move_boundary_mlp: bool = True,
+        move_boundary_attention: bool = True,
     ) -> None:
         self.ctx = ctx
         self.where = f"rank (pp={ctx.pp}, tp={ctx.tp})"
@@ -147,6 +155,7 @@ class LlamaWorker:
             pp_size=ctx.pp_size,
             layer_split=tuple(layer_split) if layer_split is not None else None,
             move_boundary_mlp=bool(move_boundary_mlp),
+            move_boundary_attention=bool(move_boundary_mlp and move_boundary_attention),
         )
         check_layout(self.layout)
         if block_size < 1 or kv_cache_bytes < 1:
@@ -182,6 +191,7 @@ class LlamaWorker:
         self._pending_sends: collections.deque = collections.deque()
         self._steps = 0
         self._moved_mlp_steps = 0  # steps that ran the boundary MLP on the last stage
+        self._moved_attention_steps = 0  # of those, steps that ran the boundary attention there too
         self._tokens = 0
         self._execute_seconds = 0.0
         self._recv_seconds = 0.0  # of execute_seconds: waiting for the previous stage's hidden states
@@ -258,7 +268,7 @@ class LlamaWorker:
         if layout.is_last_stage and self.device.type == "cpu":
             argmax.prepare()  # the greedy argmax kernel, also numba: built now, not in the first step
         self.cache = PagedKVCache(
-            layout.layers,
+            layout.cache_layers,
             num_blocks,
             self.block_size,
             layout.num_local_kv_heads,
@@ -268,6 +278,8 @@ class LlamaWorker:
             mirror_bytes=self.kv_mirror_bytes,
             mirror_entries=self.ctx.pp_size,  # one per batch group in flight
             decode_kernel=self.decode_kernel,
+            # The borrowed boundary layer's attention runs only on some steps (LlamaStage).
+            unmirrored=layout.cache_layers[len(layout.layers) :],
         )
         self.load_seconds = time.perf_counter() - start
         logger.info(
@@ -295,8 +307,9 @@ class LlamaWorker:
         }
 
     def _num_blocks(self) -> int:
-        # Same on every rank: sized for the stage with the most layers, so no rank
-        # allocates blocks the scheduler (which takes the minimum) can never use.
+        # Same on every rank: sized for the stage with the most layers, so no rank allocates
+        # blocks the scheduler (which takes the minimum) can never use. A borrowed boundary
+        # layer never makes the last stage keep more (Layout.moves_attention).
         layout = self.layout
         most_layers = max(len(r) for r in layout.stage_layers)
         per_block = PagedKVCache.bytes_per_block(
@@ -371,29 +384,43 @@ class LlamaWorker:
         if step.num_tokens == 0:
             return step, None
         layout = self.layout
-        moved = (layout.lends_mlp or layout.borrowed_mlp is not None) and moves_boundary_mlp(
-            layout, step.num_tokens, step.num_decode_rows, int(step.sample_rows.numel())
-        )
-        if moved:
+        move = BoundaryMove.NONE
+        if layout.lends_mlp or layout.borrowed_mlp is not None:
+            move = boundary_move(layout, step.num_tokens, step.num_decode_rows, int(step.sample_rows.numel()))
+        if move != BoundaryMove.NONE:
             self._moved_mlp_steps += 1
+            self._moved_attention_steps += move == BoundaryMove.LAYER
+        # The boundary layer's keys and values, sent with the hidden states every step when
+        # the next stage keeps a copy of that layer's cache.
+        boundary_kv = None
+        if layout.lends_attention or layout.borrows_attention:
+            kv_shape = (step.num_tokens, 2, layout.num_local_kv_heads, self.args.head_dim)
+            boundary_kv = torch.empty(kv_shape, dtype=self.dtype, device=self.device)
         if ctx.is_first_stage:
             x = step.token_ids
         else:
             x = torch.empty(step.num_tokens, self.args.hidden_size, dtype=self.dtype, device=self.device)
             waited = time.perf_counter()
-            if self._handoff_in is not None:
-                self._handoff_in.recv_into(x)
-            else:
-                dist.recv(x, src=ctx.global_rank - ctx.tp_size)
+            self._recv(x)
+            if layout.borrows_attention:
+                self._recv(boundary_kv)
             self._recv_done = time.perf_counter()
             self._recv_seconds += self._recv_done - waited
-        h = stage(x, step, cache, moved_mlp=moved)
+        h = stage(x, step, cache, move=move, boundary_kv=boundary_kv)
         if not ctx.is_last_stage:
             self._send_next(h)
+            if layout.lends_attention:
+                self._send_next(boundary_kv)
             return step, None
         if step.sample_rows.numel() == 0:
             return step, None
         return step, h[step.sample_rows]
+
+    def _recv(self, x: torch.Tensor) -> None:
+        if self._handoff_in is not None:
+            self._handoff_in.recv_into(x)
+        else:
+            dist.recv(x, src=self.ctx.global_rank - self.ctx.tp_size)
 
     def _send_next(self, h: torch.Tensor) -> None:
         if self._handoff_out is not None:
@@ -404,10 +431,12 @@ class LlamaWorker:
         pending = self._pending_sends
         while pending and pending[0][0].is_completed():
             pending.popleft()
-        # Bound what is in flight; the next stage takes batches in order, so the oldest finishes first.
-        if len(pending) >= self.ctx.pp_size:
+        # Bound what is in flight (pp_size steps of one or two tensors); the next stage
+        # takes them in order, so the oldest finishes first.
+        bound = self.ctx.pp_size * (2 if self.layout.lends_attention else 1)
+        if len(pending) >= bound:
             waited = time.perf_counter()
-            while len(pending) >= self.ctx.pp_size:
+            while len(pending) >= bound:
                 pending.popleft()[0].wait()
             self._send_wait_seconds += time.perf_counter() - waited
         h = h.contiguous()
@@ -444,7 +473,9 @@ class LlamaWorker:
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "steps": self._steps,
             "moved_mlp_steps": self._moved_mlp_steps,
+            "moved_attention_steps": self._moved_attention_steps,
             "borrowed_mlp": self.layout.borrowed_mlp,
+            "borrowed_attention": self.layout.borrows_attention,
             "tokens": self._tokens,
             "execute_seconds": self._execute_seconds,
             "recv_seconds": self._recv_seconds,

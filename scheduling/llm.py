@@ -98,7 +98,10 @@ class LLM:
             SDPA where numba is missing.
         move_boundary_mlp: with pp > 1, the last stage also holds the MLP of the layer
             before its own and runs it on prompt-heavy steps, to even out the stages
-            there (models.config.moves_boundary_mlp); True by default.
+            there (models.config.boundary_move); True by default.
+        move_boundary_attention: with move_boundary_mlp, the last stage holds that whole
+            layer and a copy of its KV cache, so prompt-heavy steps can run all of it there
+            but its keys and values; True by default.
         shm_handoff: on CPU with pp > 1, hidden states go to the next stage through a
             shared-memory ring (models/shm_handoff.py) instead of gloo's send/recv; True
             by default, gloo where the ring cannot be mapped.
@@ -139,6 +142,7 @@ class LLM:
         prepack_weights: bool = True,
         decode_kernel: bool = True,
         move_boundary_mlp: bool = True,
+        move_boundary_attention: bool = True,
         shm_handoff: bool = True,
         keep_freed_memory: bool = True,
         max_num_seqs: int = 256,
@@ -190,6 +194,8 @@ class LLM:
             worker_kwargs["decode_kernel"] = False
         if not move_boundary_mlp:
             worker_kwargs["move_boundary_mlp"] = False
+        if not move_boundary_attention:
+            worker_kwargs["move_boundary_attention"] = False
         if not shm_handoff:
             worker_kwargs["shm_handoff"] = False
         if num_threads is not None:

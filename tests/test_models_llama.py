@@ -13,12 +13,14 @@ from actors.context import ActorContext
 from models.batch import ModelBatch, SequenceChunk
 from models.config import (
     HEAD_MAC_COST,
+    BoundaryMove,
     PROMPT_TOKEN_COST,
     Layout,
     LlamaArgs,
     ModelConfigError,
     check_layout,
     layer_matmul_macs,
+    boundary_move,
     lm_head_layers,
     load_config,
     moves_boundary_mlp,
@@ -291,6 +293,24 @@ def test_the_boundary_mlp_moves_to_the_last_stage_on_prompt_heavy_steps():
     # Mixed: 32 decode rows with 128 prompt tokens still favour the move; 480 rows with 32 do not.
     assert moves_boundary_mlp(first, num_tokens=160, num_decode_rows=32, num_sampled=33)
     assert not moves_boundary_mlp(first, num_tokens=512, num_decode_rows=480, num_sampled=481)
+    # Holding the whole layer, a prompt-heavy step moves all of it but its keys and values;
+    # a decode step still moves nothing.
+    whole = [Layout(default_model_args(), pp=s, pp_size=2, move_boundary_mlp=True, move_boundary_attention=True)
+             for s in (0, 1)]
+    assert whole[0].lends_attention and whole[1].borrows_attention and not whole[1].lends_attention
+    assert whole[1].cache_layers == [5, 6, 7, 4] and whole[0].cache_layers == [0, 1, 2, 3, 4]
+    for lay in whole:
+        assert boundary_move(lay, 512, 0, 4) == BoundaryMove.LAYER
+        assert boundary_move(lay, 512, 20, 24) == BoundaryMove.LAYER  # the workload's prompt steps
+        assert boundary_move(lay, 32, 32, 32) == BoundaryMove.NONE
+    assert boundary_move(first, 512, 0, 4) == BoundaryMove.MLP  # the MLP alone where only it is held
+    # With a 4 + 4 split the last stage would keep more layers than any other (and the KV
+    # cache, sized by the largest stage, fewer blocks): only the MLP may move there.
+    even = [Layout(default_model_args(), pp=s, pp_size=2, layer_split=(4, 4), move_boundary_mlp=True,
+                   move_boundary_attention=True) for s in (0, 1)]
+    assert not even[0].lends_attention and not even[1].borrows_attention and even[1].borrowed_mlp == 3
+    assert even[1].cache_layers == [4, 5, 6, 7]
+    assert boundary_move(even[0], 512, 0, 4) != BoundaryMove.LAYER
     # Off, or with one stage, nothing moves and no stage holds a copy.
     off = Layout(default_model_args(), pp=1, pp_size=2)
     assert off.borrowed_mlp is None and not moves_boundary_mlp(off, 512, 0, 4)
@@ -302,33 +322,75 @@ def test_the_boundary_mlp_moves_to_the_last_stage_on_prompt_heavy_steps():
     assert [lay.borrowed_mlp for lay in four] == [None, None, None, four[3].layers.start - 1]
 
 
-def test_the_boundary_mlp_gives_the_same_logits_on_either_stage(checkpoints):
-    """Two in-process stages, the second holding the first's last MLP: moved or not, transformers' logits."""
+@pytest.mark.parametrize("attention", [False, True], ids=["mlp-only", "whole-layer"])
+def test_the_boundary_layer_gives_the_same_logits_wherever_it_runs(checkpoints, attention):
+    """Two in-process stages, the second holding the first's last layer (its MLP, or all of it).
+
+    For every pair of moves, a prompt step and then a decode step: the prompt logits are
+    transformers', and so are the decode step's, which reads the keys and values the
+    prompt step left in the boundary layer's cache on whichever stage attends it.
+    """
     path = checkpoints["single"]
     args = load_config(path)
-    layouts = [Layout(args, pp=s, pp_size=2, move_boundary_mlp=True) for s in (0, 1)]
+    # (3, 1): the last stage keeps no more layers than the first even with the borrowed one.
+    layouts = [
+        Layout(args, pp=s, pp_size=2, layer_split=(3, 1), move_boundary_mlp=True, move_boundary_attention=attention)
+        for s in (0, 1)
+    ]
     stages = [load_stage(lay, path, torch.float32)[0] for lay in layouts]
-    borrowed = stages[1].layers[str(layouts[0].layers[-1])]
-    assert stages[1].borrowed_mlp == layouts[0].layers[-1] and borrowed.self_attn is None
-    tables = block_tables([len(p) for p in PROMPTS], BLOCK)
-    batch = prefill_batch(PROMPTS, tables)
-    handed, logits = [], []
-    for moved in (False, True):
-        caches = [
-            PagedKVCache(lay.layers, 64, BLOCK, lay.num_local_kv_heads, args.head_dim, torch.float32, "cpu")
-            for lay in layouts
-        ]
-        step = prepare_step(batch, block_size=BLOCK, num_blocks=64, vocab_size=args.vocab_size)
-        with torch.inference_mode():
-            h = stages[0](step.token_ids, step, caches[0], moved_mlp=moved)
-            handed.append(h.clone())
-            h = stages[1](h, step, caches[1], moved_mlp=moved)
-            logits.append(stages[1].compute_logits(h[step.sample_rows]))
-    # What crosses the boundary differs (the MLP ran on one side or the other), the result does not.
-    assert not torch.allclose(handed[0], handed[1])
+    boundary = layouts[0].layers[-1]
+    borrowed = stages[1].layers[str(boundary)]
+    assert stages[1].borrowed_mlp == boundary and (borrowed.self_attn is not None) == attention
+    assert layouts[1].cache_layers == list(layouts[1].layers) + ([boundary] if attention else [])
+    assert layouts[0].lends_attention == layouts[1].borrows_attention == attention
+    moves = [BoundaryMove.NONE, BoundaryMove.MLP] + ([BoundaryMove.LAYER] if attention else [])
+
+    tables = block_tables([len(p) + 1 for p in PROMPTS], BLOCK)
     expected = reference_last_logits(path, PROMPTS)
-    for got in logits:
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    first = expected.argmax(-1).tolist()
+    decode = ModelBatch(1, [SequenceChunk(i, [first[i]], len(p), tables[i]) for i, p in enumerate(PROMPTS)])
+    expected_next = reference_last_logits(path, [[*p, first[i]] for i, p in enumerate(PROMPTS)])
+    handed = {}
+    for prompt_move in moves:
+        for decode_move in moves:
+            caches = [
+                PagedKVCache(
+                    lay.cache_layers, 64, BLOCK, lay.num_local_kv_heads, args.head_dim, torch.float32, "cpu",
+                    mirror_bytes=2**20, unmirrored=lay.cache_layers[len(lay.layers) :],
+                )
+                for lay in layouts
+            ]
+            logits = []
+            for batch, move in ((prefill_batch(PROMPTS, tables), prompt_move), (decode, decode_move)):
+                step = prepare_step(batch, block_size=BLOCK, num_blocks=64, vocab_size=args.vocab_size)
+                kv = torch.empty(step.num_tokens, 2, layouts[0].num_local_kv_heads, args.head_dim) if attention else None
+                with torch.inference_mode():
+                    h = stages[0](step.token_ids, step, caches[0], move=move, boundary_kv=kv)
+                    if batch.batch_id == 0:
+                        handed[move] = h.clone()
+                    h = stages[1](h, step, caches[1], move=move, boundary_kv=kv)
+                    logits.append(stages[1].compute_logits(h[step.sample_rows]))
+            torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=0)
+            torch.testing.assert_close(logits[1], expected_next, atol=1e-4, rtol=0)
+    # What crosses the boundary differs (the stage stopped at a different point), the result does not.
+    for a in moves:
+        for b in moves:
+            assert a == b or not torch.allclose(handed[a], handed[b])
+
+
+def test_a_move_the_stages_cannot_make_is_refused(checkpoints):
+    path = checkpoints["single"]
+    args = load_config(path)
+    mlp_only = [Layout(args, pp=s, pp_size=2, move_boundary_mlp=True) for s in (0, 1)]
+    stages = [load_stage(lay, path, torch.float32)[0] for lay in mlp_only]
+    cache = PagedKVCache(mlp_only[1].cache_layers, 8, BLOCK, 2, args.head_dim, torch.float32)
+    step = prepare_step(prefill_batch(PROMPTS[:1], [[0, 1]]), block_size=BLOCK, num_blocks=8, vocab_size=args.vocab_size)
+    h = torch.zeros(step.num_tokens, args.hidden_size)
+    with pytest.raises(ValueError, match="holds only the boundary MLP"), torch.inference_mode():
+        stages[1](h, step, cache, move=BoundaryMove.LAYER)
+    with pytest.raises(ValueError, match="needs boundary_kv"), torch.inference_mode():
+        stages[0](step.token_ids, step, PagedKVCache(mlp_only[0].cache_layers, 8, BLOCK, 2, args.head_dim, torch.float32),
+                  move=BoundaryMove.LAYER)
 
 
 def test_kv_cache_holds_as_many_blocks_as_the_budget_allows(checkpoints):

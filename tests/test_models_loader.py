@@ -112,6 +112,33 @@ def test_last_stage_holds_the_sharded_mlp_of_the_layer_before_it(checkpoints, tp
     assert report.num_params == sum(p.numel() for p in without.parameters()) + mlp_params
 
 
+@pytest.mark.parametrize("tp", [0, 1])
+def test_last_stage_can_hold_the_whole_sharded_layer_before_it(checkpoints, tp):
+    path = checkpoints["odd"]
+    args = load_config(path)
+    split = dict(tp=tp, tp_size=2, pp=1, pp_size=2, layer_split=(2, 1), move_boundary_mlp=True)
+    layout = Layout(args, **split, move_boundary_attention=True)
+    stage, report = load_stage(layout, path, torch.float32)
+    mlp_only, mlp_report = load_stage(Layout(args, **split), path, torch.float32)
+    state = full_state(path)
+    index = layout.borrowed_mlp
+    layer, prefix = stage.layers[str(index)], f"model.layers.{index}.self_attn"
+    assert stage.borrowed_attention and layer.self_attn is not None
+    # This tp rank's heads, as for any of its own layers.
+    hd = args.head_dim
+    (q0, q1), (k0, k1) = layout.q_heads, layout.kv_heads
+    attn = layer.self_attn
+    assert (attn.n_heads, attn.n_kv_heads) == (q1 - q0, k1 - k0)
+    assert torch.equal(attn.q_proj.weight, state[f"{prefix}.q_proj.weight"][q0 * hd : q1 * hd])
+    assert torch.equal(attn.k_proj.weight, state[f"{prefix}.k_proj.weight"][k0 * hd : k1 * hd])
+    assert torch.equal(attn.v_proj.weight, state[f"{prefix}.v_proj.weight"][k0 * hd : k1 * hd])
+    assert torch.equal(attn.o_proj.weight, state[f"{prefix}.o_proj.weight"][:, q0 * hd : q1 * hd])
+    norm = state[f"model.layers.{index}.input_layernorm.weight"]
+    assert torch.equal(layer.input_layernorm.weight, norm)
+    attention_params = args.hidden_size * hd * (2 * (q1 - q0) + 2 * (k1 - k0)) + args.hidden_size
+    assert report.num_params == mlp_report.num_params + attention_params
+
+
 def test_missing_tensor_names_tensor_shape_and_rank(checkpoints, tmp_path):
     path = rewrite(checkpoints["single"], tmp_path / "ckpt", lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     layout = Layout(load_config(path), tp=1, tp_size=2, pp=0, pp_size=2)

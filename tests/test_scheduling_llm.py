@@ -123,7 +123,8 @@ class TestLayout:
         if pp > 1:
             lender, last = stats[(pp - 2) * tp : (pp - 1) * tp], stats[(pp - 1) * tp :]
             assert {s["borrowed_mlp"] for s in last} == {last[0]["layers"][0] - 1}
-            assert {s["moved_mlp_steps"] for s in lender} == {s["moved_mlp_steps"] for s in last}
+            for key in ("moved_mlp_steps", "moved_attention_steps"):
+                assert {s[key] for s in lender} == {s[key] for s in last}
 
     def test_prompts_chunked_between_decode_steps_match_transformers(self, llm, reference):
         # A budget of 5 tokens splits every prompt over several steps, each sharing its
@@ -248,20 +249,30 @@ def test_default_model_with_text_prompts():
     assert not wait_gone(pids) and not child_pids()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_the_boundary_mlp_moved_across_stages_changes_no_token(reference, tp):
-    """Split (3, 1), stage 0 is the busier: the last stage runs layer 2's MLP, tokens stay transformers'."""
+@pytest.mark.parametrize(
+    "tp, attention, shm", [(1, True, True), (2, True, False), (1, False, True)], ids=["layer", "layer-tp2-gloo", "mlp"]
+)
+def test_the_boundary_layer_moved_across_stages_changes_no_token(reference, tp, attention, shm):
+    """Split (3, 1), stage 0 is the busier: the last stage runs layer 2 (all but its keys and
+    values, or its MLP only) on prompt-heavy steps; tokens stay transformers'."""
     path, expected, _ = reference
-    with LLM(path, tp=tp, pp=2, block_size=BLOCK, layer_split=(3, 1), start_timeout=120.0) as llm:
+    with LLM(
+        path, tp=tp, pp=2, block_size=BLOCK, layer_split=(3, 1), move_boundary_attention=attention,
+        shm_handoff=shm, start_timeout=120.0,
+    ) as llm:
         pids = llm.supervisor.pids
         outputs = llm.generate(MANY_PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
         assert [o.token_ids for o in outputs] == expected
         stats = llm.supervisor.collective_rpc("get_stats")
         assert [s["borrowed_mlp"] for s in stats] == [None] * tp + [2] * tp
+        assert [s["borrowed_attention"] for s in stats] == [False] * tp + [attention] * tp
         # On CPU the hidden states went through the shared-memory rings (models/shm_handoff.py).
-        assert [(s["handoff_in"], s["handoff_out"]) for s in stats] == [(None, "shm")] * tp + [("shm", None)] * tp
-        moved = {s["moved_mlp_steps"] for s in stats}
-        assert len(moved) == 1 and moved.pop() > 0
+        way = "shm" if shm else "dist"
+        assert [(s["handoff_in"], s["handoff_out"]) for s in stats] == [(None, way)] * tp + [(way, None)] * tp
+        moved = {(s["moved_mlp_steps"], s["moved_attention_steps"]) for s in stats}
+        assert len(moved) == 1
+        mlp_steps, attention_steps = moved.pop()
+        assert mlp_steps > 0 and (attention_steps > 0) == attention
     assert not wait_gone(pids) and not child_pids()
 
 

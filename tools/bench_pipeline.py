@@ -137,6 +137,7 @@ def main() -> None:
     parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights (models/prepack.py off)")
     parser.add_argument("--no-decode-kernel", action="store_true", help="SDPA for decode attention (models/decode_attention.py off)")
     parser.add_argument("--no-move-mlp", action="store_true", help="the boundary MLP always on its own stage (LLM move_boundary_mlp=False)")
+    parser.add_argument("--no-move-attention", action="store_true", help="only the boundary MLP may move (LLM move_boundary_attention=False)")
     parser.add_argument("--no-shm-handoff", action="store_true", help="hidden states between stages through gloo send/recv (LLM shm_handoff=False)")
     args = parser.parse_args()
     options: dict = {}
@@ -150,6 +151,8 @@ def main() -> None:
         options["decode_kernel"] = False
     if args.no_move_mlp:
         options["move_boundary_mlp"] = False
+    if args.no_move_attention:
+        options["move_boundary_attention"] = False
     if args.no_shm_handoff:
         options["shm_handoff"] = False
     inflights = args.inflight or ([2, 1] if args.config == "pp2" else [None])

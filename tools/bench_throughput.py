@@ -161,6 +161,8 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
         out.append("--no-decode-kernel")
     if args.no_move_mlp:
         out.append("--no-move-mlp")
+    if args.no_move_attention:
+        out.append("--no-move-attention")
     if args.no_shm_handoff:
         out.append("--no-shm-handoff")
     return out
@@ -178,6 +180,7 @@ def main() -> None:
     parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights on the ranks (models/prepack.py off)")
     parser.add_argument("--no-decode-kernel", action="store_true", help="SDPA for decode attention (models/decode_attention.py off)")
     parser.add_argument("--no-move-mlp", action="store_true", help="the boundary MLP always on its own stage (LLM move_boundary_mlp=False)")
+    parser.add_argument("--no-move-attention", action="store_true", help="only the boundary MLP may move (LLM move_boundary_attention=False)")
     parser.add_argument("--no-shm-handoff", action="store_true", help="hidden states between stages through gloo send/recv (LLM shm_handoff=False)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration here
     args = parser.parse_args()
@@ -192,6 +195,8 @@ def main() -> None:
         engine_options["decode_kernel"] = False
     if args.no_move_mlp:
         engine_options["move_boundary_mlp"] = False
+    if args.no_move_attention:
+        engine_options["move_boundary_attention"] = False
     if args.no_shm_handoff:
         engine_options["shm_handoff"] = False
     if args.one:
