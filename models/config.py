@@ -13,6 +13,7 @@ that cannot work, naming the rank that found the problem.
 from __future__ import annotations
 
 import enum
+import functools
 
 import json
 import logging
@@ -315,7 +316,7 @@ def boundary_move(layout: "Layout", num_tokens: int, num_decode_rows: int, num_s
     per_layer = num_decode_rows + prompt * PROMPT_TOKEN_COST
     mlp = num_decode_rows * DECODE_MLP_SHARE + prompt * PROMPT_TOKEN_COST * PROMPT_MLP_SHARE
     kv = num_decode_rows * DECODE_KV_SHARE + prompt * PROMPT_TOKEN_COST * PROMPT_KV_SHARE
-    head = num_sampled * lm_head_layers(layout.args, tokens_per_sample=1.0)
+    head = num_sampled * layout.head_layers_per_row
     giver = len(stages[-2]) * per_layer
     taker = len(stages[-1]) * per_layer + head
     moved = {BoundaryMove.NONE: 0.0, BoundaryMove.MLP: mlp}
@@ -402,11 +403,16 @@ class Layout:
     def rank_label(self) -> str:
         return f"rank (pp={self.pp}, tp={self.tp})"
 
-    @property
-    def stage_layers(self) -> list[range]:
+    @functools.cached_property
+    def stage_layers(self) -> list[range]:  # computed once: every step asks (boundary_move)
         return split_layers(
             self.args.num_hidden_layers, self.pp_size, self.layer_split, lm_head_layers(self.args)
         )
+
+    @functools.cached_property
+    def head_layers_per_row(self) -> float:
+        """The LM head's cost per sampled row, in decoder layers' cost per decode row (boundary_move)."""
+        return lm_head_layers(self.args, tokens_per_sample=1.0)
 
     @property
     def layers(self) -> range:
