@@ -65,6 +65,20 @@ class Engine:
         self.schedule_seconds = 0.0
         self.update_seconds = 0.0
 
+    def set_max_inflight(self, n: int) -> None:
+        """Keep at most `n` batches in flight from now on (1 <= n <= the supervisor's max_inflight).
+
+        With n = 1 a pipeline runs one batch at a time through its stages, the baseline of
+        its overlap; the scheduler's request groups follow. Only between runs: raises
+        RuntimeError while batches are in flight.
+        """
+        if not isinstance(n, int) or not 1 <= n <= self.supervisor.max_inflight:
+            raise ValueError(f"max_inflight must be an integer in [1, {self.supervisor.max_inflight}], got {n!r}")
+        if self._queue:
+            raise RuntimeError(f"cannot change max_inflight with {len(self._queue)} batches in flight")
+        self.max_inflight = n
+        self.scheduler.num_groups = n
+
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 

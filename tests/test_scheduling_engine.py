@@ -116,6 +116,29 @@ def test_engine_keeps_max_inflight_batches_and_waits_for_the_oldest(max_inflight
     assert stats["num_batches"] == len(gang.model.batches) and stats["schedule_seconds"] > 0
 
 
+def test_fewer_batches_in_flight_can_be_set_between_runs():
+    gang = FakeGang(2, block_size=4)
+    engine = make_engine(gang)
+    for bad in (0, 3, 1.0):
+        with pytest.raises(ValueError, match=r"max_inflight must be an integer in \[1, 2\]"):
+            engine.set_max_inflight(bad)
+    engine.set_max_inflight(1)
+    assert engine.max_inflight == engine.scheduler.num_groups == 1
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=6)) for i, p in enumerate(prompts(7, 5))]
+    for r in reqs:
+        engine.add_request(r)
+    engine.step()  # one batch in flight now, and one completed
+    assert gang.max_outstanding == 1
+    engine.set_max_inflight(2)  # nothing in flight between steps at depth 1
+    engine.add_request(Request("late", prompts(1, 5)[0], SamplingParams(max_tokens=6)))
+    engine.step()
+    with pytest.raises(RuntimeError, match="batches in flight"):
+        engine.set_max_inflight(1)
+    run(engine)
+    assert gang.max_outstanding == 2
+    assert_matches_reference(reqs)
+
+
 def test_a_failed_batch_raises_and_gives_its_requests_back():
     gang = FakeGang(2, block_size=4, fail_batch=3)
     engine = make_engine(gang)

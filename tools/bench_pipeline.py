@@ -24,7 +24,10 @@ timelines come from `LlamaWorker.get_step_trace` and `Engine.get_batch_trace`
 engine's defaults unless given. `--config` runs another layout of
 tools/bench_throughput.py instead (once, with the engine's batches in flight); then
 the per-stage lists hold one entry per rank in global-rank order, e.g. TP2's two ranks
-of one stage. Run it alone on the machine.
+of one stage. `--alternate ROUNDS` measures the overlap instead: one PP2 session whose
+runs alternate between two batches in flight and one (`Engine.set_max_inflight`), one
+line per run, then {"bench": "pipeline_overlap", "ratio_of_medians": ..., ...}. Run it
+alone on the machine.
 """
 
 from __future__ import annotations
@@ -127,11 +130,56 @@ def run(config: str, max_inflight: Optional[int], dtype: str, engine_options: di
     }
 
 
+def alternate(rounds: int, dtype: str, engine_options: dict) -> list[dict]:
+    """PP2's overlap measured in one session: runs alternate between two batches in flight and one.
+
+    On a machine whose speed drifts, pairs taken side by side in one process compare
+    better than two separate runs: the same ranks, warm, a few seconds apart, the order
+    flipped every round.
+    """
+    from scheduling import LLM, SamplingParams
+
+    lines = []
+    speeds: dict[int, list[float]] = {2: [], 1: []}
+    with LLM(model=None, dtype=dtype, **{**CONFIGS["pp2"], **engine_options}) as llm:
+        specs = _workload(llm.args.vocab_size)
+        params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
+        prompts = [s.prompt_token_ids for s in specs[WARMUP:]]
+        llm.generate([s.prompt_token_ids for s in specs[:WARMUP]], params)
+        for r in range(rounds):
+            for inflight in (2, 1) if r % 2 == 0 else (1, 2):
+                llm.engine.set_max_inflight(inflight)
+                start = time.perf_counter()
+                llm.generate(prompts, params)
+                speed = NUM_PROMPTS * OUTPUT_LEN / (time.perf_counter() - start)
+                speeds[inflight].append(speed)
+                line = {"bench": "pipeline_run", "round": r, "max_inflight": inflight, "output_tokens_per_s": round(speed, 1)}
+                print(json.dumps(line), flush=True)
+                lines.append(line)
+    pairs = [a / b for a, b in zip(speeds[2], speeds[1])]
+    summary = {
+        "bench": "pipeline_overlap",
+        "config": "pp2",
+        "dtype": dtype,
+        "rounds": rounds,
+        "inflight2_median": round(statistics.median(speeds[2]), 1),
+        "inflight1_median": round(statistics.median(speeds[1]), 1),
+        "ratio_of_medians": round(statistics.median(speeds[2]) / statistics.median(speeds[1]), 3),
+        "pair_ratios": [round(p, 3) for p in pairs],
+        "median_pair_ratio": round(statistics.median(pairs), 3),
+    }
+    print(json.dumps(summary), flush=True)
+    return lines + [summary]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="pp2", choices=["pp2", "tp1_1thread", "tp1_2threads", "tp2", "tp2pp2"])
     parser.add_argument("--inflight", type=int, nargs="+", help="batches in flight, one run each (pp2: 2 and 1)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--alternate", type=int, metavar="ROUNDS",
+                        help="pp2 only: in one session, ROUNDS pairs of runs with 2 and 1 batches in flight "
+                             "(order flipped each round); one line per run, then the overlap")
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--layer-split", type=int, nargs="+", metavar="N")
     parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights (models/prepack.py off)")
@@ -155,6 +203,11 @@ def main() -> None:
         options["move_boundary_attention"] = False
     if args.no_shm_handoff:
         options["shm_handoff"] = False
+    if args.alternate:
+        if args.config != "pp2":
+            parser.error("--alternate measures pp2's overlap; leave --config at pp2")
+        alternate(args.alternate, args.dtype, options)
+        return
     inflights = args.inflight or ([2, 1] if args.config == "pp2" else [None])
     for inflight in inflights:
         print(json.dumps(run(args.config, inflight, args.dtype, options)), flush=True)
