@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import enum
 import functools
-
 import json
 import logging
 import math
@@ -36,7 +35,6 @@ __all__ = [
     "lm_head_layers",
     "boundary_move",
     "load_config",
-    "moves_boundary_mlp",
     "cpu_has_native_bf16",
     "resolve_dtype",
     "shard_range",
@@ -278,12 +276,13 @@ def lm_head_layers(args: LlamaArgs, tokens_per_sample: float = TOKENS_PER_SAMPLE
 # cache: what a stage still does for a layer it lends whole to the next stage).
 # Measured with tools/bench_layer_parts.py (default model, bfloat16, one thread,
 # packed weights, the decode kernel): a 32-row decode step over ~160 positions spends
-# 0.80-0.85 ms of a layer's 2.35-2.65 ms in the MLP and 0.25-0.30 ms in the keys and
-# values (the attention kernel takes most of the rest); a 512-token step of 128-token
-# prompts 11.0-11.1 ms of 18.2-18.4 ms in the MLP and 1.75-1.77 ms in keys and values.
+# 0.80-0.83 ms of a layer's 2.32-2.51 ms in the MLP and 0.31-0.36 ms in the keys and
+# values, their decode-mirror rows included (the attention kernel takes most of the
+# rest); a 512-token step of 128-token prompts 11.2-12.2 ms of 18.4-18.9 ms in the MLP
+# and 1.75-1.81 ms in keys and values.
 DECODE_MLP_SHARE = 0.33
 PROMPT_MLP_SHARE = 0.60
-DECODE_KV_SHARE = 0.11
+DECODE_KV_SHARE = 0.13
 PROMPT_KV_SHARE = 0.10
 
 
@@ -323,11 +322,6 @@ def boundary_move(layout: "Layout", num_tokens: int, num_decode_rows: int, num_s
     if layout.moves_attention:
         moved[BoundaryMove.LAYER] = per_layer - kv
     return min(moved, key=lambda m: (max(giver - moved[m], taker + moved[m]), m))
-
-
-def moves_boundary_mlp(layout: "Layout", num_tokens: int, num_decode_rows: int, num_sampled: int) -> bool:
-    """Whether a step runs the last boundary's MLP on the last stage (a move of MLP or LAYER)."""
-    return boundary_move(layout, num_tokens, num_decode_rows, num_sampled) != BoundaryMove.NONE
 
 
 def split_layers(
@@ -430,7 +424,7 @@ class Layout:
         """Whether this stage's last layer's MLP may run on the next stage instead."""
         return self.move_boundary_mlp and self.pp_size >= 2 and self.pp == self.pp_size - 2
 
-    @property
+    @functools.cached_property
     def moves_attention(self) -> bool:
         """Whether the last boundary's whole layer may move: asked for, and free in KV memory.
 

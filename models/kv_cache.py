@@ -67,10 +67,22 @@ class LayerKV:
         self.index = index  # this layer's place in the cache (and the mirror)
         self.decode_kernel = decode_kernel and mirror is not None
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Stores k, v [T, kv_heads, head_dim] at flat slots [T]."""
+    def write(
+        self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, decode: Optional["DecodeGroup"] = None
+    ) -> None:
+        """Stores k, v [T, kv_heads, head_dim] at flat slots [T].
+
+        With the step's `decode` group, also brings its rows of the mirror up to date:
+        every step that writes a layer's keys keeps its mirror rows current, whether or
+        not this rank then attends them (a pipeline boundary layer that a step moves to
+        the next stage is written here and attended there), since `PagedKVCache.end_step`
+        marks the rows valid for every layer at once.
+        """
         self.k.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
         self.v.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+        plan = decode.mirror if decode is not None else None
+        if plan is not None and self.mirror is not None:
+            self.mirror.update_layer(plan, self.index, self.k, self.v, decode.take(k), decode.take(v))
 
     def gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, nb * block_size, kv_heads, head_dim] of block tables [B, nb].
@@ -85,61 +97,39 @@ class LayerKV:
         torch.index_select(self.v, 0, flat, out=v)
         return k.view(b, nb * block_size, heads, dim), v.view(b, nb * block_size, heads, dim)
 
-    def decode_attention(
-        self, decode: "DecodeGroup", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> Optional[torch.Tensor]:
-        """A decode group's attention output [B, kv_heads, groups, head_dim] by the fused kernel (call after `write`).
+    def decode_attention(self, decode: "DecodeGroup", q: torch.Tensor, scale: float) -> Optional[torch.Tensor]:
+        """A decode group's attention output [B, kv_heads, groups, head_dim] by the fused kernel.
 
-        q [B, kv_heads, groups, head_dim]: the group's queries in batch order; k, v as for
-        `decode_kv`. None when the kernel does not serve this step (no mirror plan, kernel
-        off or unavailable): the caller attends `decode_kv`'s tensors with SDPA.
+        Call after `write` with the group. q [B, kv_heads, groups, head_dim]: the group's
+        queries in batch order. None when the kernel does not serve this step (no mirror
+        plan, kernel off or unavailable): the caller attends `decode_kv`'s tensors with SDPA.
         """
         plan = decode.mirror
         # The kernel has no backward: a query that needs gradients goes through SDPA.
         if plan is None or not self.decode_kernel or q.requires_grad or not decode_attention.supports(self.k):
             return None
-        assert self.mirror is not None  # decode_kernel implies a mirror
-        self.mirror.layer_kv(plan, self.index, self.k, self.v, decode.take(k), decode.take(v))
         k_buf, v_buf = plan.entry.storage[self.index]  # [rows, kv_heads, len_cap, head_dim] each
         return decode_attention.mirror_decode_attention(q, k_buf, v_buf, plan.rows, plan.counts, scale)
 
-    def update_mirror(self, decode: "DecodeGroup", k: torch.Tensor, v: torch.Tensor) -> None:
-        """Brings a decode group's mirror rows of this layer up to date without attending (call after `write`).
-
-        For a step that writes this layer's keys and values but attends them elsewhere (a
-        moved pipeline boundary layer): the mirror's rows count as current for every layer
-        once the step ends. k, v as for `decode_kv`.
-        """
-        plan = decode.mirror
-        if plan is not None and self.mirror is not None:
-            self.mirror.layer_kv(plan, self.index, self.k, self.v, decode.take(k), decode.take(v))
-
     def decode_kv(
-        self, decode: "DecodeGroup", k: torch.Tensor, v: torch.Tensor
+        self, decode: "DecodeGroup"
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """What a decode group attends (call after `write`): keys, values [R, L, kv_heads, head_dim], mask, rows.
+        """What a decode group attends (call after `write` with the group): keys, values [R, L, kv_heads, head_dim], mask, rows.
 
-        k, v [T, kv_heads, head_dim] are the step's new keys and values. `rows` is None
-        when row i holds the group's sequence i (mask [B, 1, 1, L]); otherwise the R rows
-        come from the mirror (models/kv_mirror.py) and rows[i] is where sequence i sits,
-        the other rows being padding (mask [R, 1, 1, L]).
+        `rows` is None when row i holds the group's sequence i (mask [B, 1, 1, L]);
+        otherwise the R rows come from the mirror (models/kv_mirror.py) and rows[i] is
+        where sequence i sits, the other rows being padding (mask [R, 1, 1, L]).
         """
         plan = decode.mirror
-        if plan is None or self.mirror is None:  # no mirror this step, or none of this layer
+        if plan is None or self.mirror is None:
             ks, vs = self.gather(decode.block_tables)
             return ks, vs, decode.key_mask, None
-        ks, vs = self.mirror.layer_kv(plan, self.index, self.k, self.v, decode.take(k), decode.take(v))
+        ks, vs = KVMirror.layer_view(plan, self.index)
         return (ks, vs, decode.key_mask, None) if plan.identity else (ks, vs, plan.mask, plan.rows)
 
 
 class PagedKVCache:
-    """Key and value blocks for a set of layers, allocated once within a byte budget.
-
-    `unmirrored` layers get no rows in the decode mirror: layers a step may skip (a
-    borrowed pipeline boundary layer, see `LlamaStage`), whose mirror rows would go
-    stale while the mirror's bookkeeping, shared by all layers, calls them current.
-    Their decode attention gathers blocks.
-    """
+    """Key and value blocks for a set of layers, allocated once within a byte budget."""
 
     def __init__(
         self,
@@ -153,7 +143,6 @@ class PagedKVCache:
         mirror_bytes: int = 0,
         mirror_entries: int = 1,
         decode_kernel: bool = True,
-        unmirrored: Sequence[int] = (),
     ) -> None:
         self.layer_ids = list(layers)
         self.num_blocks = num_blocks
@@ -161,20 +150,16 @@ class PagedKVCache:
         shape = (len(self.layer_ids), 2, num_blocks, block_size, num_kv_heads, head_dim)
         self.storage = torch.zeros(shape, dtype=dtype, device=device)
         workspace = _Workspace(self.storage[0, 0])
-        mirrored = [layer for layer in self.layer_ids if layer not in set(unmirrored)]
         # Decode steps attend a dense copy kept across steps instead of gathering blocks.
         self.mirror: Optional[KVMirror] = (
-            KVMirror(len(mirrored), num_kv_heads, head_dim, block_size, dtype, device, mirror_bytes, mirror_entries)
-            if mirror_bytes > 0 and mirrored
+            KVMirror(len(self.layer_ids), num_kv_heads, head_dim, block_size, dtype, device, mirror_bytes, mirror_entries)
+            if mirror_bytes > 0
             else None
         )
-        self._layers: dict[int, LayerKV] = {}
-        for i, layer in enumerate(self.layer_ids):
-            k, v = self.storage[i, 0], self.storage[i, 1]
-            if layer in mirrored:
-                self._layers[layer] = LayerKV(k, v, workspace, self.mirror, mirrored.index(layer), decode_kernel)
-            else:
-                self._layers[layer] = LayerKV(k, v, workspace)
+        self._layers = {
+            layer: LayerKV(self.storage[i, 0], self.storage[i, 1], workspace, self.mirror, i, decode_kernel)
+            for i, layer in enumerate(self.layer_ids)
+        }
 
     @staticmethod
     def bytes_per_block(

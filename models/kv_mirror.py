@@ -233,7 +233,7 @@ class KVMirror:
             entry.row_len[row] = new_len
             entry.row_blocks[row] = blocks
 
-    def layer_kv(
+    def update_layer(
         self,
         plan: MirrorPlan,
         layer: int,
@@ -241,10 +241,8 @@ class KVMirror:
         paged_v: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Brings layer `layer`'s rows up to date and returns its keys and values [span, length, kv_heads, head_dim].
-
-        The result is a strided view whose transpose(1, 2) has contiguous [length, head_dim] runs per (row, head).
+    ) -> None:
+        """Brings layer `layer`'s rows up to date: refills the rows the plan names, writes the new tokens.
 
         paged_k/v: the layer's paged blocks [num_blocks, block_size, kv_heads, head_dim]
         (already holding this step's tokens); k, v [B, kv_heads, head_dim]: the decode
@@ -258,6 +256,14 @@ class KVMirror:
             buf_v[row, :n].copy_(paged_v.index_select(0, blocks).view(n, *paged_v.shape[2:]))
         buf_k.index_put_((plan.rows, plan.positions), k)
         buf_v.index_put_((plan.rows, plan.positions), v)
+
+    @staticmethod
+    def layer_view(plan: MirrorPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s keys and values [span, length, kv_heads, head_dim] (after `update_layer`).
+
+        A strided view whose transpose(1, 2) has contiguous [length, head_dim] runs per (row, head).
+        """
+        buf_k, buf_v = plan.entry.kv[layer, 0], plan.entry.kv[layer, 1]
         return buf_k[: plan.span, : plan.length], buf_v[: plan.span, : plan.length]
 
     # ----- entries -----

@@ -176,7 +176,7 @@ class Attention(nn.Module):
         t, hd = x.shape[0], self.head_dim
         q = apply_rotary(self.q_proj(x).view(t, self.n_heads, hd), cos, sin)
         k, v = kv if kv is not None else self.project_kv(x, cos, sin)
-        cache.write(k, v, step.slot_mapping)
+        cache.write(k, v, step.slot_mapping, step.decode)
 
         # A decode-only step's output is the decode group's, in place of a scatter into `out`.
         dec = step.decode
@@ -198,9 +198,9 @@ class Attention(nn.Module):
             b, groups = dec.rows.shape[0], self.n_heads // self.n_kv_heads
             qs = dec.take(q).reshape(b, self.n_kv_heads, groups, hd)
             # The fused kernel over the KV mirror where it serves (models/decode_attention.py).
-            o = cache.decode_attention(dec, qs, k, v, self.scale)
+            o = cache.decode_attention(dec, qs, self.scale)
             if o is None:
-                ks, vs, mask, rows = cache.decode_kv(dec, k, v)
+                ks, vs, mask, rows = cache.decode_kv(dec)
                 if rows is not None:
                     # Cached rows are not in batch order: place each query at its sequence's row.
                     q_rows = qs.new_zeros((ks.shape[0], *qs.shape[1:]))
@@ -349,20 +349,20 @@ class LlamaStage(nn.Module):
         inputs: torch.Tensor,
         step: StepInputs,
         cache: PagedKVCache,
-        move: int = BoundaryMove.NONE,
+        move: BoundaryMove = BoundaryMove.NONE,
         boundary_kv: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after this stage's layers.
 
         `inputs` is token ids [T] on the first stage and the previous stage's hidden states otherwise.
         `move`: how much of the last boundary's layer runs on the next stage this step (a
-        `BoundaryMove`; True means MLP). A stage holding a borrowed layer runs that part
+        `BoundaryMove`). A stage holding a borrowed layer runs that part
         first; the stage it belongs to leaves it out.
         `boundary_kv` [T, 2, kv_heads, head_dim]: the boundary layer's keys and values of
         these tokens. The stage that owns the layer writes them into it (pass an empty
         tensor), a stage that borrows the layer with its attention reads them.
         """
-        move = BoundaryMove(int(move))
+        move = BoundaryMove(move)
         h = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
         cos, sin = rotary_cos_sin(step.positions, self.inv_freq, h.dtype)
         cache.begin_step(step)
@@ -376,7 +376,7 @@ class LlamaStage(nn.Module):
                 if move == BoundaryMove.LAYER:
                     h = borrowed.attention_half(h, cos, sin, step, layer_cache, kv=kv)
                 else:
-                    layer_cache.write(*kv, step.slot_mapping)
+                    layer_cache.write(*kv, step.slot_mapping, step.decode)
             elif move == BoundaryMove.LAYER:
                 raise ValueError("move=LAYER on a stage that holds only the boundary MLP")
             if move != BoundaryMove.NONE:
@@ -412,9 +412,7 @@ class LlamaStage(nn.Module):
         boundary_kv[:, 0] = k
         boundary_kv[:, 1] = v
         if move == BoundaryMove.LAYER:
-            cache.write(k, v, step.slot_mapping)
-            if step.decode is not None:  # its rows in the decode mirror must stay current
-                cache.update_mirror(step.decode, k, v)
+            cache.write(k, v, step.slot_mapping, step.decode)
             return h
         h = layer.attention_half(h, cos, sin, step, cache, kv=(k, v), normed=normed)
         return h if move == BoundaryMove.MLP else layer.mlp_half(h)

@@ -77,6 +77,12 @@ class _Ring:
     def nbytes(capacity: int) -> int:
         return 2 * _LINE + capacity
 
+    def _span(self, count: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ring's k bytes from stream offset `count`: the piece up to the ring's end, then the wrapped rest."""
+        pos = count % self.capacity
+        first = min(k, self.capacity - pos)
+        return self._data[pos : pos + first], self._data[: k - first]
+
     def close(self) -> None:
         """Closes this end of the FIFO (a receiver then reads end-of-file, a sender gets EPIPE) and unmaps the
         ring; safe to call twice."""
@@ -95,7 +101,7 @@ class _Ring:
 
 
 class ShmHandoffSender(_Ring):
-    """The sending end: `send(x)` copies x's bytes into the ring and wakes the receiver; build it with `offer`."""
+    """The sending end: `send(*xs)` copies the tensors' bytes into the ring and wakes the receiver; build it with `offer`."""
 
     @classmethod
     def offer(
@@ -132,27 +138,31 @@ class ShmHandoffSender(_Ring):
         assert mm is not None and paths is not None
         return cls(mm, capacity, fifo, dst, timeout_s, paths[0])
 
-    def send(self, x: torch.Tensor) -> None:
-        """Copies x (any shape and dtype; made contiguous) into the ring; returns once every byte is in it."""
-        src = _bytes_of(x.contiguous())
-        n, off = src.numel(), 0
+    def send(self, *xs: torch.Tensor) -> None:
+        """Copies each x (any shape and dtype; made contiguous) into the ring, in order; returns once every byte is in it.
+
+        The receiver is woken once, after the last byte, unless the sender must first wait
+        for room (then it wakes the receiver before waiting, to drain the ring).
+        """
         written, capacity, counters = self.bytes, self.capacity, self._counters
-        while off < n:
-            free = capacity - (written - counters[_R])
-            if free <= 0:
-                self._wait_for_room(written)
-                continue
-            k = min(free, n - off)
-            pos = written % capacity
-            first = min(k, capacity - pos)
-            self._data[pos : pos + first].copy_(src[off : off + first])
-            if k > first:
-                self._data[: k - first].copy_(src[off + first : off + k])
-            written += k
-            off += k
-            counters[_W] = written
-            self._ring_doorbell()
+        for x in xs:
+            src = _bytes_of(x.contiguous())
+            n, off = src.numel(), 0
+            while off < n:
+                free = capacity - (written - counters[_R])
+                if free <= 0:
+                    self._ring_doorbell()
+                    self._wait_for_room(written)
+                    continue
+                k = min(free, n - off)
+                head, tail = self._span(written, k)
+                head.copy_(src[off : off + head.numel()])
+                tail.copy_(src[off + head.numel() : off + k])
+                written += k
+                off += k
+                counters[_W] = written
         self.bytes = written
+        self._ring_doorbell()
 
     def _ring_doorbell(self) -> None:
         try:
@@ -184,7 +194,7 @@ class ShmHandoffSender(_Ring):
 
 
 class ShmHandoffReceiver(_Ring):
-    """The receiving end: `recv_into(x)` fills x with the next x.nbytes bytes sent; build it with `accept`."""
+    """The receiving end: `recv_into(*xs)` fills each x with the next x.nbytes bytes sent; build it with `accept`."""
 
     @classmethod
     def accept(
@@ -212,29 +222,27 @@ class ShmHandoffReceiver(_Ring):
         assert mm is not None
         return cls(mm, capacity, fifo, src, timeout_s, paths[0])
 
-    def recv_into(self, x: torch.Tensor) -> torch.Tensor:
-        """Fills the contiguous tensor x with the next x's-size bytes the sender sent; returns x."""
-        if not x.is_contiguous():
-            raise ValueError("shared-memory handoff: recv_into needs a contiguous tensor")
-        dst = _bytes_of(x)
-        n, off = dst.numel(), 0
-        read, capacity, counters = self.bytes, self.capacity, self._counters
-        while off < n:
-            avail = counters[_W] - read
-            if avail <= 0:
-                self._wait_for_bytes(read)
-                continue
-            k = min(avail, n - off)
-            pos = read % capacity
-            first = min(k, capacity - pos)
-            dst[off : off + first].copy_(self._data[pos : pos + first])
-            if k > first:
-                dst[off + first : off + k].copy_(self._data[: k - first])
-            read += k
-            off += k
-            counters[_R] = read
+    def recv_into(self, *xs: torch.Tensor) -> None:
+        """Fills each contiguous tensor x, in order, with the next x's-size bytes the sender sent."""
+        read, counters = self.bytes, self._counters
+        for x in xs:
+            if not x.is_contiguous():
+                raise ValueError("shared-memory handoff: recv_into needs a contiguous tensor")
+            dst = _bytes_of(x)
+            n, off = dst.numel(), 0
+            while off < n:
+                avail = counters[_W] - read
+                if avail <= 0:
+                    self._wait_for_bytes(read)
+                    continue
+                k = min(avail, n - off)
+                head, tail = self._span(read, k)
+                dst[off : off + head.numel()].copy_(head)
+                dst[off + head.numel() : off + k].copy_(tail)
+                read += k
+                off += k
+                counters[_R] = read
         self.bytes = read
-        return x
 
     def _wait_for_bytes(self, read: int) -> None:
         started = time.perf_counter()

@@ -51,17 +51,13 @@ class DecodeGroup:
         self.positions = positions  # the position each sequence writes
         self.tables = tables  # unpadded block tables, each covering positions [0, position]
         self.block_size = block_size
+        self.width = max(len(t) for t in tables)  # blocks of the longest table: the padded tables' width
         # The group is every token of the step, in order (rows == arange(T)): a decode-only step.
         self.every_row = every_row
         # Set by PagedKVCache.begin_step when the rank keeps a dense mirror of these rows.
         self.mirror: Optional["MirrorPlan"] = None
         self._block_tables: Optional[torch.Tensor] = None
         self._key_mask: Optional[torch.Tensor] = None
-
-    @property
-    def width(self) -> int:
-        """Blocks of the longest table (the padded tables' width)."""
-        return max(len(t) for t in self.tables)
 
     @property
     def block_tables(self) -> torch.Tensor:

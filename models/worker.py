@@ -278,8 +278,6 @@ class LlamaWorker:
             mirror_bytes=self.kv_mirror_bytes,
             mirror_entries=self.ctx.pp_size,  # one per batch group in flight
             decode_kernel=self.decode_kernel,
-            # The borrowed boundary layer's attention runs only on some steps (LlamaStage).
-            unmirrored=layout.cache_layers[len(layout.layers) :],
         )
         self.load_seconds = time.perf_counter() - start
         logger.info(
@@ -401,46 +399,46 @@ class LlamaWorker:
         else:
             x = torch.empty(step.num_tokens, self.args.hidden_size, dtype=self.dtype, device=self.device)
             waited = time.perf_counter()
-            self._recv(x)
-            if layout.borrows_attention:
-                self._recv(boundary_kv)
+            self._recv(*((x, boundary_kv) if layout.borrows_attention else (x,)))
             self._recv_done = time.perf_counter()
             self._recv_seconds += self._recv_done - waited
         h = stage(x, step, cache, move=move, boundary_kv=boundary_kv)
         if not ctx.is_last_stage:
-            self._send_next(h)
-            if layout.lends_attention:
-                self._send_next(boundary_kv)
+            self._send_next(*((h, boundary_kv) if layout.lends_attention else (h,)))
             return step, None
         if step.sample_rows.numel() == 0:
             return step, None
         return step, h[step.sample_rows]
 
-    def _recv(self, x: torch.Tensor) -> None:
+    def _recv(self, *xs: torch.Tensor) -> None:
+        """Fills xs, in order, with what the previous stage's `_send_next` sent."""
         if self._handoff_in is not None:
-            self._handoff_in.recv_into(x)
-        else:
+            self._handoff_in.recv_into(*xs)
+            return
+        for x in xs:
             dist.recv(x, src=self.ctx.global_rank - self.ctx.tp_size)
 
-    def _send_next(self, h: torch.Tensor) -> None:
+    def _send_next(self, *xs: torch.Tensor) -> None:
+        """Sends one step's tensors to the same tp rank of the next stage."""
         if self._handoff_out is not None:
             waited = self._handoff_out.wait_seconds
-            self._handoff_out.send(h)  # a copy into the ring; waits only if the next stage is a ring behind
+            self._handoff_out.send(*xs)  # a copy into the ring; waits only if the next stage is a ring behind
             self._send_wait_seconds += self._handoff_out.wait_seconds - waited
             return
         pending = self._pending_sends
-        while pending and pending[0][0].is_completed():
+        while pending and all(work.is_completed() for work in pending[0][0]):
             pending.popleft()
-        # Bound what is in flight (pp_size steps of one or two tensors); the next stage
-        # takes them in order, so the oldest finishes first.
-        bound = self.ctx.pp_size * (2 if self.layout.lends_attention else 1)
-        if len(pending) >= bound:
+        # Bound what is in flight to pp_size steps; the next stage takes them in order, so
+        # the oldest finishes first.
+        if len(pending) >= self.ctx.pp_size:
             waited = time.perf_counter()
-            while len(pending) >= bound:
-                pending.popleft()[0].wait()
+            while len(pending) >= self.ctx.pp_size:
+                for work in pending.popleft()[0]:
+                    work.wait()
             self._send_wait_seconds += time.perf_counter() - waited
-        h = h.contiguous()
-        pending.append((dist.isend(h, dst=self.ctx.global_rank + self.ctx.tp_size), h))
+        dst = self.ctx.global_rank + self.ctx.tp_size
+        xs = tuple(x.contiguous() for x in xs)  # kept alive until their sends complete
+        pending.append(([dist.isend(x, dst=dst) for x in xs], xs))
 
     # ----- health and stats -----
 

@@ -68,8 +68,8 @@ class _Sim:
         for layer in range(LAYERS):
             kv = self.cache.layer(layer)
             k_new, v_new = torch.randn(len(seqs), HEADS, DIM), torch.randn(len(seqs), HEADS, DIM)
-            kv.write(k_new, v_new, step.slot_mapping)
-            ks, vs, mask, rows = kv.decode_kv(dec, k_new, v_new)
+            kv.write(k_new, v_new, step.slot_mapping, dec)
+            ks, vs, mask, rows = kv.decode_kv(dec)
             # Attention reads [length, head_dim] per (row, head) as one contiguous run.
             assert ks.transpose(1, 2).stride()[2:] == (DIM, 1) and vs.transpose(1, 2).stride()[2:] == (DIM, 1)
             ref_k, ref_v = (t.clone() for t in kv.gather(dec.block_tables))
@@ -86,7 +86,7 @@ class _Sim:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
             if decode_attention.available():
                 # The fused kernel reads the same rows, in batch order, without the padding mask.
-                fused = kv.decode_attention(dec, q, k_new, v_new, 0.3)
+                fused = kv.decode_attention(dec, q, 0.3)
                 assert fused is not None
                 torch.testing.assert_close(fused, want, rtol=1e-5, atol=1e-6)
         if commit:
@@ -173,7 +173,7 @@ def test_a_group_over_budget_gathers_instead() -> None:
     step = prepare_step(ModelBatch(0, chunks), block_size=BLOCK, num_blocks=NUM_BLOCKS, vocab_size=8)
     cache.begin_step(step)
     assert step.decode.mirror is None and cache.mirror.fallbacks == 1
-    ks, vs, mask, rows = cache.layer(0).decode_kv(step.decode, torch.zeros(2, HEADS, DIM), torch.zeros(2, HEADS, DIM))
+    ks, vs, mask, rows = cache.layer(0).decode_kv(step.decode)
     assert ks.shape[0] == 2 and rows is None  # the gather's rows, in batch order
 
 

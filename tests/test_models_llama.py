@@ -23,7 +23,6 @@ from models.config import (
     boundary_move,
     lm_head_layers,
     load_config,
-    moves_boundary_mlp,
     split_layers,
 )
 from models.kv_cache import PagedKVCache
@@ -285,14 +284,14 @@ def test_the_boundary_mlp_moves_to_the_last_stage_on_prompt_heavy_steps():
     first, last = layouts
     assert first.lends_mlp and first.borrowed_mlp is None
     assert last.borrowed_mlp == 4 and not last.lends_mlp
-    assert not moves_boundary_mlp(first, num_tokens=32, num_decode_rows=32, num_sampled=32)
-    assert not moves_boundary_mlp(first, num_tokens=1, num_decode_rows=1, num_sampled=1)
+    assert boundary_move(first, num_tokens=32, num_decode_rows=32, num_sampled=32) == BoundaryMove.NONE
+    assert boundary_move(first, num_tokens=1, num_decode_rows=1, num_sampled=1) == BoundaryMove.NONE
     # A 512-token prompt chunk sampling 4 rows leaves the last stage short of work: moved.
-    assert moves_boundary_mlp(first, num_tokens=512, num_decode_rows=0, num_sampled=4)
-    assert moves_boundary_mlp(last, num_tokens=512, num_decode_rows=0, num_sampled=0)
+    assert boundary_move(first, num_tokens=512, num_decode_rows=0, num_sampled=4) == BoundaryMove.MLP
+    assert boundary_move(last, num_tokens=512, num_decode_rows=0, num_sampled=0) == BoundaryMove.MLP
     # Mixed: 32 decode rows with 128 prompt tokens still favour the move; 480 rows with 32 do not.
-    assert moves_boundary_mlp(first, num_tokens=160, num_decode_rows=32, num_sampled=33)
-    assert not moves_boundary_mlp(first, num_tokens=512, num_decode_rows=480, num_sampled=481)
+    assert boundary_move(first, num_tokens=160, num_decode_rows=32, num_sampled=33) == BoundaryMove.MLP
+    assert boundary_move(first, num_tokens=512, num_decode_rows=480, num_sampled=481) == BoundaryMove.NONE
     # Holding the whole layer, a prompt-heavy step moves all of it but its keys and values;
     # a decode step still moves nothing.
     whole = [Layout(default_model_args(), pp=s, pp_size=2, move_boundary_mlp=True, move_boundary_attention=True)
@@ -313,9 +312,9 @@ def test_the_boundary_mlp_moves_to_the_last_stage_on_prompt_heavy_steps():
     assert boundary_move(even[0], 512, 0, 4) != BoundaryMove.LAYER
     # Off, or with one stage, nothing moves and no stage holds a copy.
     off = Layout(default_model_args(), pp=1, pp_size=2)
-    assert off.borrowed_mlp is None and not moves_boundary_mlp(off, 512, 0, 4)
+    assert off.borrowed_mlp is None and boundary_move(off, 512, 0, 4) == BoundaryMove.NONE
     one = Layout(default_model_args(), move_boundary_mlp=True)
-    assert one.borrowed_mlp is None and not one.lends_mlp and not moves_boundary_mlp(one, 512, 0, 4)
+    assert one.borrowed_mlp is None and not one.lends_mlp and boundary_move(one, 512, 0, 4) == BoundaryMove.NONE
     # With more stages only the last boundary moves.
     four = [Layout(default_model_args(), pp=s, pp_size=4, move_boundary_mlp=True) for s in range(4)]
     assert [lay.lends_mlp for lay in four] == [False, False, True, False]
@@ -356,7 +355,7 @@ def test_the_boundary_layer_gives_the_same_logits_wherever_it_runs(checkpoints, 
             caches = [
                 PagedKVCache(
                     lay.cache_layers, 64, BLOCK, lay.num_local_kv_heads, args.head_dim, torch.float32, "cpu",
-                    mirror_bytes=2**20, unmirrored=lay.cache_layers[len(lay.layers) :],
+                    mirror_bytes=2**20,
                 )
                 for lay in layouts
             ]

@@ -221,10 +221,14 @@ class HandoffWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def stream(self, count: int, seed: int, sizes: list[int], delay_s: float = 0.0) -> tuple[int, str, float]:
+    def stream(
+        self, count: int, seed: int, sizes: list[int], delay_s: float = 0.0, group: tuple[int, int] = (1, 1)
+    ) -> tuple[int, str, float]:
         """Sends (rank 0) or receives (rank 1) `count` messages; returns (mismatches, digest, this rank's CPU seconds).
 
         The sender first sleeps delay_s, so the receiver waits for the first message.
+        group: how many messages the sender passes to one send call, and the receiver to
+        one recv_into call (the ring carries bytes: the two need not agree).
         """
         import hashlib
 
@@ -234,15 +238,18 @@ class HandoffWorker:
         wrong, digest = 0, hashlib.sha256()
         if self.rank == 0:
             time.sleep(delay_s)
-        for i in range(count):
-            expected = handoff_message(i, seed, sizes)
+        per_call = group[self.rank]
+        for first in range(0, count, per_call):
+            expected = [handoff_message(i, seed, sizes) for i in range(first, min(first + per_call, count))]
             if self.rank == 0:
-                self.end.send(expected)
+                self.end.send(*expected)
                 got = expected
             else:
-                got = self.end.recv_into(torch.empty_like(expected))
-                wrong += not torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
-            digest.update(got.view(torch.uint8).numpy().tobytes())
+                got = [torch.empty_like(e) for e in expected]
+                self.end.recv_into(*got)
+                wrong += sum(not torch.equal(g.view(torch.uint8), e.view(torch.uint8)) for g, e in zip(got, expected))
+            for g in got:
+                digest.update(g.view(torch.uint8).numpy().tobytes())
         return wrong, digest.hexdigest(), time.process_time() - cpu
 
     def send_then_close(self, numel: int) -> str:

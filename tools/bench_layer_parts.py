@@ -60,53 +60,43 @@ def run(shape: str, rows: int, context: int, dtype: str, reps: int) -> dict:
     )
     kv_cache = cache.layer(0)
     tables = [list(range(i * blocks, (i + 1) * blocks)) for i in range(rows)]
-    x = None
-    runs_done = [0]
 
-    def inputs() -> tuple:
-        n = runs_done[0]
-        runs_done[0] += 1
+    def inputs(n: int) -> tuple:
+        """Run n's step and its rotary tables."""
         if shape == "decode":
             chunks = [SequenceChunk(i, [7], context + n, tables[i]) for i in range(rows)]
         else:  # prompt: `rows` tokens in whole prompts of `context` tokens
             chunks = [SequenceChunk(i, [7] * context, 0, tables[i]) for i in range(rows // context)]
         step = prepare_step(ModelBatch(n, chunks), block_size=BLOCK, num_blocks=num_blocks, vocab_size=args.vocab_size)
-        cos, sin = rotary_cos_sin(step.positions, stage.inv_freq, torch_dtype)
-        return step, cos, sin
+        return (step, *rotary_cos_sin(step.positions, stage.inv_freq, torch_dtype))
 
+    parts: dict[str, Callable[..., object]] = {
+        "layer": lambda step, cos, sin: layer(x, cos, sin, step, kv_cache),
+        "kv": lambda step, cos, sin: kv_cache.write(*layer.input_kv(x, cos, sin)[1], step.slot_mapping, step.decode),
+        "attention_half": lambda step, cos, sin: layer.attention_half(x, cos, sin, step, kv_cache),
+        "mlp_half": lambda step, cos, sin: layer.mlp_half(x),
+    }
+    results = {}
     with torch.inference_mode():
-        step, cos, sin = inputs()
+        step, cos, sin = inputs(0)
         x = torch.randn(step.num_tokens, args.hidden_size).to(torch_dtype)
         if shape == "decode":  # the mirror starts holding every row's context
             cache.begin_step(step)
             layer(x, cos, sin, step, kv_cache)
             cache.end_step(step)
-
-        def timed(part: Callable[[tuple], object]) -> Callable[[int], object]:
-            def one(_: int) -> None:
-                step, cos, sin = inputs()  # built outside the timed part
+        n = 1
+        for name, part in parts.items():
+            samples = []
+            for i in range(reps + 3):  # 3 warm-up runs
+                step, cos, sin = inputs(n)  # built outside the timed part
+                n += 1
                 cache.begin_step(step)
                 start = time.perf_counter()
-                part((step, cos, sin))
-                elapsed[0] += time.perf_counter() - start
+                part(step, cos, sin)
+                elapsed = time.perf_counter() - start
                 cache.end_step(step)
-            return one
-
-        results = {}
-        for name, part in (
-            ("layer", lambda a: layer(x, *a[1:], a[0], kv_cache)),
-            ("kv", lambda a: kv_cache.write(*layer.input_kv(x, a[1], a[2])[1], a[0].slot_mapping)),
-            ("attention_half", lambda a: layer.attention_half(x, a[1], a[2], a[0], kv_cache)),
-            ("mlp_half", lambda a: layer.mlp_half(x)),
-        ):
-            elapsed = [0.0]
-            samples = []
-            fn = timed(part)
-            for i in range(reps + 3):
-                elapsed[0] = 0.0
-                fn(i)
                 if i >= 3:
-                    samples.append(elapsed[0])
+                    samples.append(elapsed)
             results[name] = round(1e3 * statistics.median(samples), 3)
     return {
         "bench": "layer_parts",

@@ -16,9 +16,10 @@ stage: `stage_ms_per_batch` is compute (waiting for the previous stage left out)
 `stage_idle_s` is time the stage was outside any step. `driver_turnaround_ms` is the
 median time from a batch's result reaching the driver to its next submit. Per phase,
 the rest of a batch's round trip, medians: `dispatch_ms` (submit to the first stage's
-step start), `handoff_ms` (from the later of the previous stage's end and this stage's
-step start to its hidden states being in) and `return_ms` (the last stage's end to
-the driver holding the result). The
+step start), `inputs_ms` (the first stage's step start to its inputs built by
+`prepare_step`), `handoff_ms` (from the later of the previous stage's end and this
+stage's step start to its hidden states being in) and `return_ms` (the last stage's
+end to the driver holding the result). The
 timelines come from `LlamaWorker.get_step_trace` and `Engine.get_batch_trace`
 (CLOCK_MONOTONIC, one clock for the host). The layer split and token budget are the
 engine's defaults unless given. `--config` runs another layout of
@@ -67,6 +68,7 @@ def _phase_stats(batches: list[int], stages: list[dict], tp: int, engine: dict[i
     # flight, a stage idles for whatever of them exceeds the other stage's slack.
     first, last = stages[:tp], stages[-tp:]
     out["dispatch_ms"] = _median_ms([min(r[b][0] for r in first) - engine[b][0] for b in batches])  # submit -> stage 0 starts
+    out["inputs_ms"] = _median_ms([r[b][1] - r[b][0] for r in first for b in batches])  # stage 0 builds the step's inputs
     out["return_ms"] = _median_ms([engine[b][1] - max(r[b][2] for r in last) for b in batches])  # last stage ends -> driver has it
     handoff = []  # previous stage done and this one waiting -> its inputs are in
     for k in range(tp, len(stages)):
