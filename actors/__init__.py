@@ -18,6 +18,7 @@ from actors.errors import (
     SupervisorClosed,
 )
 from actors.faults import Fault, FaultPlan, InjectedFault
+from actors.gang import prestart
 from actors.policy import SupervisionPolicy
 from actors.ray_gang import RayOptions
 from actors.supervisor import Supervisor
@@ -42,4 +43,5 @@ __all__ = [
     "SupervisionPolicy",
     "Supervisor",
     "SupervisorClosed",
+    "prestart",
 ]

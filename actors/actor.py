@@ -1,9 +1,12 @@
 """The actor process: builds the worker object, then serves its mailbox until told to stop.
 
-Runs in a process started with the `spawn` method. It dies with its parent even
-when the parent is SIGKILLed: the kernel's parent-death signal covers an actor
-stuck in C code, and a watcher thread on the parent's sentinel covers the case
-where that signal could not be armed.
+Runs in a process started by multiprocessing's `forkserver` (the default: a fork of
+a server that imported the heavy modules once) or `spawn` method. It dies with the
+process that started the gang even when that one is SIGKILLed: a watcher thread
+ends the actor when its lifeline pipe, whose only write end the parent holds,
+reports EOF, and the kernel's parent-death signal covers an actor stuck in C code
+(under forkserver it fires when the fork server ends, which it does once the
+parent and every actor are gone).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from multiprocessing import parent_process
 from multiprocessing.connection import Connection, wait
 from typing import Any, Optional
 
@@ -53,7 +55,7 @@ class ActorSpec:
     health_conn: Connection
     progress: Any  # multiprocessing RawArray('q'): last call id each rank finished
     stack_file: str
-    parent_pid: int
+    lifeline: Connection  # read end; EOF once the parent process is gone
     pdeathsig: bool
     env: dict[str, str] = field(default_factory=dict)
     cpus: Optional[list[int]] = None
@@ -83,16 +85,13 @@ def _arm_parent_death(spec: ActorSpec) -> None:
     if spec.pdeathsig and sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != spec.parent_pid:  # the parent died before the signal was armed
+    lifeline = spec.lifeline
+
+    def watch() -> None:  # also ends at once when the parent died before this started
+        wait([lifeline])
         os._exit(1)
-    parent = parent_process()
-    if parent is not None:
 
-        def watch() -> None:
-            wait([parent.sentinel])
-            os._exit(1)
-
-        threading.Thread(target=watch, name="pipeactors-parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name="pipeactors-parent-watch", daemon=True).start()
 
 
 def _build_worker(spec: ActorSpec, faults: Any) -> Any:

@@ -21,7 +21,7 @@ from typing_extensions import Self
 from actors.context import RankMap
 from actors.control import Address, ControlServer, Registry
 from actors.errors import ConfigError
-from actors.gang import GangSpec, ProcessBackend
+from actors.gang import START_METHODS, GangSpec, ProcessBackend
 from actors.messages import Method
 from actors.policy import SupervisionPolicy
 from actors.ray_gang import RayBackend, RayOptions
@@ -58,7 +58,9 @@ class Supervisor:
             budget. It acts when an actor dies, a deadline passes, or a critical
             call fails.
         fault_plan: an `actors.FaultPlan` for deterministic fault injection.
-        env: environment variables set in every actor before the worker is imported.
+        env: environment variables set in every actor before the worker is imported
+            (after the `preload` modules, which the fork server imported without them:
+            variables those read at import time need start_method="spawn").
         cpus: a function of the global rank giving the CPUs that actor may run on.
         control_address: where the control plane listens; default a Unix socket in
             a private directory ("mp") or TCP on this node's address ("ray");
@@ -68,6 +70,12 @@ class Supervisor:
             is a Ray actor placed through placement groups (needs `pipeactors[ray]`;
             see `actors.RayOptions`). Everything else behaves the same.
         ray_options: an `actors.RayOptions` (placement, resources per rank) for "ray".
+        start_method: how "mp" starts actors: "forkserver" (default) forks each one from
+            multiprocessing's fork server, a process started once per parent that imports
+            `preload` once, so a gang, and a restarted gang, skip those imports; "spawn"
+            starts each actor as a fresh interpreter.
+        preload: modules the fork server imports before forking actors (e.g. "torch"). The
+            server is shared by every gang of this process and keeps the list of the first.
     """
 
     def __init__(
@@ -88,10 +96,16 @@ class Supervisor:
         shutdown_grace: float = 5.0,
         backend: str = "mp",
         ray_options: Optional[RayOptions] = None,
+        start_method: str = "forkserver",
+        preload: Sequence[str] = (),
     ) -> None:
         self._ranks = RankMap(tp_size, pp_size)
         if backend not in ("mp", "ray"):
             raise ConfigError(f"backend must be 'mp' or 'ray', got {backend!r}")
+        if start_method not in START_METHODS:
+            raise ConfigError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+        if isinstance(preload, str) or not all(isinstance(m, str) and m for m in preload):
+            raise ConfigError(f"preload must be a sequence of module names, got {preload!r}")
         if ray_options is not None and not isinstance(ray_options, RayOptions):
             raise ConfigError(f"ray_options must be an actors.RayOptions, got {type(ray_options).__name__}")
         if max_inflight is None:
@@ -110,6 +124,8 @@ class Supervisor:
             env={str(k): str(v) for k, v in (env or {}).items()},
             cpus=cpus,
             fault_plan=fault_plan,
+            start_method=start_method,
+            preload=tuple(preload),
         )
         self.policy = SupervisionPolicy.of(policy)
         self.max_inflight = max_inflight

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence, Union
 
 from typing_extensions import Self
 
-from actors import FaultPlan, RayOptions, Supervisor, SupervisionPolicy
+from actors import FaultPlan, RayOptions, Supervisor, SupervisionPolicy, prestart
 from models.config import load_config
 from scheduling.engine import Engine
 from scheduling.request import Request, RequestOutput
@@ -25,6 +25,7 @@ __all__ = ["LLM", "default_max_num_batched_tokens"]
 logger = logging.getLogger(__name__)
 
 WORKER = "models.worker:LlamaWorker"
+PRELOAD = ("models.preload",)  # imported once by the fork server that starts the ranks
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 # Fewer prompts than this finish too fast for a progress bar to tell anyone anything.
 TQDM_MIN_PROMPTS = 16
@@ -159,6 +160,10 @@ class LLM:
         backend: str = "mp",
         ray_options: Optional[RayOptions] = None,
     ) -> None:
+        if backend == "mp":
+            # The fork server imports the worker's modules (torch: about 2.5 s of CPU) once
+            # for every rank, meanwhile this process finds the model and its tokenizer.
+            prestart("forkserver", PRELOAD)
         if model is None:
             from models.default_model import default_model_dir
 
@@ -215,6 +220,7 @@ class LLM:
                 cpus=plan.__getitem__ if plan is not None else None,
                 backend=backend,
                 ray_options=ray_options,
+                preload=PRELOAD,
             )
         except BaseException:
             tokenizer.cancel()

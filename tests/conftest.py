@@ -9,9 +9,22 @@ import pytest
 
 
 def child_pids(parent: int | None = None) -> list[int]:
-    """Live processes whose parent is `parent` (default: this one), minus multiprocessing's resource tracker."""
+    """Live processes whose parent is `parent` (default: this one), minus multiprocessing's
+    resource tracker; a fork server counts through its children (the actors it forked)."""
     parent = os.getpid() if parent is None else parent
     pids = []
+    for pid, cmdline in _children(parent):
+        if b"resource_tracker" in cmdline:
+            continue
+        if b"multiprocessing.forkserver" in cmdline:
+            pids += [child for child, _ in _children(pid)]
+        else:
+            pids.append(pid)
+    return pids
+
+
+def _children(parent: int) -> list[tuple[int, bytes]]:
+    out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -24,10 +37,9 @@ def child_pids(parent: int | None = None) -> list[int]:
             continue
         fields = stat.rsplit(")", 1)[1].split()
         state, ppid = fields[0], int(fields[1])
-        if ppid != parent or state == "Z" or b"resource_tracker" in cmdline:
-            continue
-        pids.append(int(entry))
-    return pids
+        if ppid == parent and state != "Z":
+            out.append((int(entry), cmdline))
+    return out
 
 
 def pid_alive(pid: int) -> bool:
