@@ -60,6 +60,18 @@ def wait_gone(pids, timeout: float = 5.0) -> list[int]:
     return alive
 
 
+@pytest.fixture(autouse=True, scope="session")
+def fork_server():
+    """Start the fork server once with the ranks' modules, as `LLM` does, so that every gang
+    of the run forks from it instead of each rank importing torch (whichever test came first
+    would otherwise fix the server's preload list for the whole run)."""
+    from actors import prestart
+    from scheduling.llm import PRELOAD
+
+    prestart("forkserver", PRELOAD)
+    yield
+
+
 @pytest.fixture(autouse=True, scope="module")
 def no_leftover_processes():
     """Module-scoped so that module fixtures may keep one gang for several tests."""
