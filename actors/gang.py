@@ -17,8 +17,9 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from actors.actor import ActorSpec, actor_main
 from actors.context import RankMap
@@ -52,13 +53,10 @@ def start_context(start_method: str, preload: tuple[str, ...] = ()) -> Any:
     return ctx
 
 
-def prestart(start_method: str = "forkserver", preload: tuple[str, ...] = ()) -> None:
+def prestart(preload: Sequence[str] = ()) -> None:
     """Start the fork server now, so that it imports `preload` while the caller does other work."""
-    if start_method == "forkserver":
-        start_context(start_method, preload)
-        from multiprocessing import forkserver
-
-        forkserver.ensure_running()
+    start_context("forkserver", tuple(preload))
+    forkserver.ensure_running()
 
 
 def signal_name(exitcode: Optional[int]) -> Optional[str]:

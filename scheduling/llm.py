@@ -163,7 +163,7 @@ class LLM:
         if backend == "mp":
             # The fork server imports the worker's modules (torch: about 2.5 s of CPU) once
             # for every rank, meanwhile this process finds the model and its tokenizer.
-            prestart("forkserver", PRELOAD)
+            prestart(PRELOAD)
         if model is None:
             from models.default_model import default_model_dir
 

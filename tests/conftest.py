@@ -68,7 +68,7 @@ def fork_server():
     from actors import prestart
     from scheduling.llm import PRELOAD
 
-    prestart("forkserver", PRELOAD)
+    prestart(PRELOAD)
     yield
 
 

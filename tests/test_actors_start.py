@@ -50,7 +50,7 @@ PRELOADED = textwrap.dedent(
     from actors import Supervisor, prestart
 
     if __name__ == "__main__":
-        prestart("forkserver", ("tests.preload_marker",))
+        prestart(("tests.preload_marker",))
         with Supervisor("tests.workers:EchoWorker", tp_size=2, preload=("tests.preload_marker",)) as sup:
             # The marker module records the pid that imported it: the fork server, not the actor.
             pids = sup.collective_rpc("pid")
