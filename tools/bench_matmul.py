@@ -8,6 +8,15 @@ The shapes are the default model's MLP projection over a decode-sized batch
 weight packed once for oneDNN (models/prepack.py), as the model's layers run them
 ("op": "linear" / "packed_linear"). Run it alone on the machine: any other load
 changes the figures.
+
+`--model-rows R [R ...]` measures instead what a decode step's linears cost on one
+thread: every packed weight of the default model (each layer's q, k, v, o, gate, up,
+down and the LM head, all distinct tensors, so each call reads its weight from memory
+as a real step does), applied once each to R rows, one line per row count:
+  {"bench": "model_linears", "dtype": D, "rows": R, "weights_mb": ..., "ms": ...,
+   "gflops": ..., "weights_gb_per_s": ...}
+Two steps of R rows cost more than one of 2R by the part that does not grow with the
+rows, chiefly reading the weights: what two half-size batches in flight pay.
 """
 
 from __future__ import annotations
@@ -46,6 +55,41 @@ def bench(op: str, dtype: torch.dtype, m: int, k: int, n: int, iters: int, repea
     return statistics.median(rates)
 
 
+def bench_model_linears(dtype: torch.dtype, rows: list[int], repeats: int) -> list[dict]:
+    from models.config import load_config
+    from models.default_model import default_model_dir
+
+    args = load_config(default_model_dir())
+    d, hd = args.hidden_size, args.head_dim
+    layer = [(args.num_attention_heads * hd, d), (args.num_key_value_heads * hd, d), (args.num_key_value_heads * hd, d),
+             (d, args.num_attention_heads * hd), (args.intermediate_size, d), (args.intermediate_size, d),
+             (d, args.intermediate_size)]
+    shapes = layer * args.num_hidden_layers + [(args.vocab_size, d)]
+    weights = [PackedWeight(torch.randn(n, k).mul_(0.02).to(dtype)) for n, k in shapes]
+    nbytes = sum(n * k for n, k in shapes) * torch.finfo(dtype).bits // 8
+    out = []
+    for m in rows:
+        inputs = {k: torch.randn(m, k).to(dtype) for k in {k for _, k in shapes}}
+
+        def step() -> None:
+            for w in weights:
+                w.linear(inputs[w.in_features])
+
+        for _ in range(3):
+            step()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        t = statistics.median(times)
+        flops = sum(2 * m * n * k for n, k in shapes)
+        out.append({"bench": "model_linears", "dtype": str(dtype).removeprefix("torch."), "rows": m,
+                    "weights_mb": round(nbytes / 2**20, 1), "ms": round(1e3 * t, 2),
+                    "gflops": round(flops / t / 1e9, 1), "weights_gb_per_s": round(nbytes / t / 1e9, 2)})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=3, default=[64, 512, 1536], metavar=("M", "K", "N"))
@@ -55,8 +99,17 @@ def main() -> None:
     parser.add_argument("--packed", action="store_true", help="also F.linear with a plain and a packed weight")
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"],
                         help="bf16 without native support can run at ~1 GFLOP/s: leave it out for big shapes")
+    parser.add_argument("--model-rows", type=int, nargs="+", metavar="R",
+                        help="instead: all the default model's linears (cold weights) over R rows, per R")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.model_rows:
+        for name in args.dtypes:
+            if name == "bfloat16" and not prepack_supported(torch.bfloat16, "cpu"):
+                continue
+            for line in bench_model_linears(getattr(torch, name), args.model_rows, max(args.repeats, 7)):
+                print(json.dumps({**line, "threads": args.threads}), flush=True)
+        return
     m, k, n = args.shape
     native = cpu_has_native_bf16()
     for name in args.dtypes:

@@ -1,0 +1,36 @@
+"""tools/bench_matmul.py's --model-rows mode: every linear of the default model, cold weights, per row count."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from models.config import load_config
+from models.default_model import default_model_dir
+from tools import bench_matmul
+
+
+def test_model_linears_cover_every_weight_of_the_default_model():
+    args = load_config(default_model_dir())
+    lines = bench_matmul.bench_model_linears(torch.float32, [1, 3], repeats=1)
+    assert [line["rows"] for line in lines] == [1, 3]
+    d, hd = args.hidden_size, args.head_dim
+    per_layer = 2 * d * args.num_attention_heads * hd + 2 * d * args.num_key_value_heads * hd + 3 * d * args.intermediate_size
+    params = args.num_hidden_layers * per_layer + args.vocab_size * d  # the LM head; the embedding is a lookup
+    for line in lines:
+        assert line["weights_mb"] == round(4 * params / 2**20, 1)
+        assert line["ms"] > 0 and line["gflops"] > 0
+        # The figures agree with each other: the FLOPs of `rows` rows over the weights in `ms`.
+        assert abs(line["gflops"] - 2 * line["rows"] * params / (line["ms"] * 1e6)) <= 0.02 * line["gflops"] + 0.2
+
+
+def test_model_rows_prints_one_json_line_per_row_count(capsys, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["bench_matmul.py", "--model-rows", "2", "--dtypes", "float32", "--repeats", "1"])
+    threads = torch.get_num_threads()
+    try:
+        bench_matmul.main()
+    finally:
+        torch.set_num_threads(threads)  # main() sets this process's count
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(line["bench"], line["rows"], line["dtype"]) for line in lines] == [("model_linears", 2, "float32")]
