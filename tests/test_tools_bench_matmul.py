@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from models.config import load_config
 from models.default_model import default_model_dir
+from models.prepack import prepack_supported
 from tools import bench_matmul
+
+pytestmark = pytest.mark.skipif(not prepack_supported(torch.float32, "cpu"), reason="this torch build has no oneDNN packing")
 
 
 def test_model_linears_cover_every_weight_of_the_default_model():

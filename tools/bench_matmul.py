@@ -105,7 +105,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.model_rows:
         for name in args.dtypes:
-            if name == "bfloat16" and not prepack_supported(torch.bfloat16, "cpu"):
+            if not prepack_supported(getattr(torch, name), "cpu"):  # no oneDNN packing in this build
                 continue
             for line in bench_model_linears(getattr(torch, name), args.model_rows, max(args.repeats, 7)):
                 print(json.dumps({**line, "threads": args.threads}), flush=True)
