@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 
 import pytest
+
+# Set in the environment of scripts a test runs in a subprocess; every process they start
+# (fork server, resource tracker, actors) inherits it, even once reparented to init.
+TEST_TAG_VAR = "PIPEACTORS_TEST_TAG"
 
 
 def child_pids(parent: int | None = None) -> list[int]:
@@ -60,16 +65,61 @@ def wait_gone(pids, timeout: float = 5.0) -> list[int]:
     return alive
 
 
+def tagged_pids(tag: str) -> list[int]:
+    """Live processes whose environment holds TEST_TAG_VAR=tag."""
+    needle = f"{TEST_TAG_VAR}={tag}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if needle in environ and pid_alive(int(entry)):
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture
+def script_env():
+    """The environment for a script a test runs in a subprocess (this repo importable).
+
+    After the test, every process started under it, whichever process it was reparented
+    to (the script's fork server and resource tracker outlive a SIGKILLed script), must
+    end within 10 s.
+    """
+    tag = uuid.uuid4().hex
+    yield dict(os.environ, PYTHONPATH=os.getcwd(), **{TEST_TAG_VAR: tag})
+    deadline = time.monotonic() + 10.0
+    left = tagged_pids(tag)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = tagged_pids(tag)
+    assert not left, f"processes started by the test's script outlived it: {left}"
+
+
 @pytest.fixture(autouse=True, scope="session")
 def fork_server():
     """Start the fork server once with the ranks' modules, as `LLM` does, so that every gang
     of the run forks from it instead of each rank importing torch (whichever test came first
     would otherwise fix the server's preload list for the whole run)."""
+    from multiprocessing import forkserver, resource_tracker
+
     from actors import prestart
     from scheduling.llm import PRELOAD
 
     prestart(PRELOAD)
     yield
+    # Stop the server, then the resource tracker it started, and wait for each, so that
+    # they are gone when pytest exits instead of finishing their exits (the server has
+    # torch loaded) a moment later, unreaped. `_stop` is CPython's hook for its own tests;
+    # without it both still end, at EOF of their pipes to this process.
+    for holder in (getattr(forkserver, "_forkserver", None), getattr(resource_tracker, "_resource_tracker", None)):
+        stop = getattr(holder, "_stop", None)
+        if stop is not None:
+            stop()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -141,12 +141,12 @@ UNGUARDED = textwrap.dedent(
 )
 
 
-def test_a_script_without_a_main_guard_gets_told_why_its_actors_died(tmp_path):
+def test_a_script_without_a_main_guard_gets_told_why_its_actors_died(tmp_path, script_env):
     # Spawned actors re-import the parent's main module; unguarded, that module starts a
     # Supervisor inside a process still bootstrapping, and the process exits with code 1.
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED)
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    env = script_env
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode != 0 and "started" not in done.stdout
     last = done.stderr.strip().splitlines()[-1]
@@ -185,10 +185,10 @@ PARENT = textwrap.dedent(
 )
 
 
-def test_actors_exit_when_the_parent_is_sigkilled(tmp_path):
+def test_actors_exit_when_the_parent_is_sigkilled(tmp_path, script_env):
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    env = script_env
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]

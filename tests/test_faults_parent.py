@@ -61,7 +61,7 @@ def held_open(names: set[str]) -> set[str]:
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)], ids=["tp1pp2", "tp2pp1"])
-def test_actors_exit_and_shared_memory_is_released_when_the_parent_is_sigkilled(tmp_path, tp, pp):
+def test_actors_exit_and_shared_memory_is_released_when_the_parent_is_sigkilled(tmp_path, script_env, tp, pp):
     path = build_checkpoint(
         tmp_path / "tiny", seed=5, vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -69,7 +69,7 @@ def test_actors_exit_and_shared_memory_is_released_when_the_parent_is_sigkilled(
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
     shm_before = shm_entries()
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    env = script_env
     parent = subprocess.Popen([sys.executable, str(script), path, str(tp), str(pp)], stdout=subprocess.PIPE, text=True, env=env)
     try:
         line = parent.stdout.readline()
