@@ -92,11 +92,7 @@ def script_env():
     """
     tag = uuid.uuid4().hex
     yield dict(os.environ, PYTHONPATH=os.getcwd(), **{TEST_TAG_VAR: tag})
-    deadline = time.monotonic() + 10.0
-    left = tagged_pids(tag)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.05)
-        left = tagged_pids(tag)
+    left = wait_gone(tagged_pids(tag), timeout=10.0)
     assert not left, f"processes started by the test's script outlived it: {left}"
 
 

@@ -146,8 +146,7 @@ def test_a_script_without_a_main_guard_gets_told_why_its_actors_died(tmp_path, s
     # Supervisor inside a process still bootstrapping, and the process exits with code 1.
     script = tmp_path / "unguarded.py"
     script.write_text(UNGUARDED)
-    env = script_env
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=60)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=script_env, timeout=60)
     assert done.returncode != 0 and "started" not in done.stdout
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("actors.errors.ActorStartupError"), last
@@ -188,8 +187,7 @@ PARENT = textwrap.dedent(
 def test_actors_exit_when_the_parent_is_sigkilled(tmp_path, script_env):
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
-    env = script_env
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=script_env)
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
         workdir = parent.stdout.readline().strip()

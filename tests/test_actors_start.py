@@ -64,8 +64,7 @@ def test_preloaded_modules_are_imported_once_by_the_fork_server(tmp_path, script
     # In a fresh process: the fork server is one per process and keeps its first preload list.
     script = tmp_path / "preloaded.py"
     script.write_text(PRELOADED)
-    env = script_env
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=90)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=script_env, timeout=90)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
 

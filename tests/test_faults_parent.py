@@ -69,8 +69,7 @@ def test_actors_exit_and_shared_memory_is_released_when_the_parent_is_sigkilled(
     script = tmp_path / "parent.py"
     script.write_text(PARENT)
     shm_before = shm_entries()
-    env = script_env
-    parent = subprocess.Popen([sys.executable, str(script), path, str(tp), str(pp)], stdout=subprocess.PIPE, text=True, env=env)
+    parent = subprocess.Popen([sys.executable, str(script), path, str(tp), str(pp)], stdout=subprocess.PIPE, text=True, env=script_env)
     try:
         line = parent.stdout.readline()
         pids = [int(p) for p in line.split()]

@@ -10,11 +10,11 @@ weight packed once for oneDNN (models/prepack.py), as the model's layers run the
 changes the figures.
 
 `--model-rows R [R ...]` measures instead what a decode step's linears cost on one
-thread: every packed weight of the default model (each layer's q, k, v, o, gate, up,
-down and the LM head, all distinct tensors, so each call reads its weight from memory
-as a real step does), applied once each to R rows, one line per row count:
-  {"bench": "model_linears", "dtype": D, "rows": R, "weights_mb": ..., "ms": ...,
-   "gflops": ..., "weights_gb_per_s": ...}
+thread: every packed weight of the default model, loaded and packed as a rank does
+(each layer's q, k, v, o, gate, up, down and the LM head, so each call reads its weight
+from memory as a real step does), applied once each to R rows, one line per row count:
+  {"bench": "model_linears", "dtype": D, "rows": R, "weights": 57, "weights_mb": ... (MiB),
+   "ms": ..., "gflops": ..., "weights_gb_per_s": ... (10^9 bytes)}
 Two steps of R rows cost more than one of 2R by the part that does not grow with the
 rows, chiefly reading the weights: what two half-size batches in flight pay.
 """
@@ -56,20 +56,21 @@ def bench(op: str, dtype: torch.dtype, m: int, k: int, n: int, iters: int, repea
 
 
 def bench_model_linears(dtype: torch.dtype, rows: list[int], repeats: int) -> list[dict]:
-    from models.config import load_config
+    """The default model's packed linears, each applied once to `rows` rows, as one decode step runs them."""
+    from models.config import Layout, load_config
     from models.default_model import default_model_dir
+    from models.loader import load_stage
+    from models.prepack import PackedLinear, prepack_stage
 
-    args = load_config(default_model_dir())
-    d, hd = args.hidden_size, args.head_dim
-    layer = [(args.num_attention_heads * hd, d), (args.num_key_value_heads * hd, d), (args.num_key_value_heads * hd, d),
-             (d, args.num_attention_heads * hd), (args.intermediate_size, d), (args.intermediate_size, d),
-             (d, args.intermediate_size)]
-    shapes = layer * args.num_hidden_layers + [(args.vocab_size, d)]
-    weights = [PackedWeight(torch.randn(n, k).mul_(0.02).to(dtype)) for n, k in shapes]
-    nbytes = sum(n * k for n, k in shapes) * torch.finfo(dtype).bits // 8
+    path = default_model_dir()
+    stage, _ = load_stage(Layout(load_config(path)), path, dtype)  # one stage: every layer and the LM head
+    prepack_stage(stage)
+    weights = [m.weight_packed for m in stage.modules() if isinstance(m, PackedLinear)]
+    del stage  # the packed weights are all that is timed
+    nbytes = sum(w.out_features * w.in_features for w in weights) * torch.finfo(dtype).bits // 8
     out = []
     for m in rows:
-        inputs = {k: torch.randn(m, k).to(dtype) for k in {k for _, k in shapes}}
+        inputs = {w.in_features: torch.randn(m, w.in_features).to(dtype) for w in weights}
 
         def step() -> None:
             for w in weights:
@@ -83,9 +84,9 @@ def bench_model_linears(dtype: torch.dtype, rows: list[int], repeats: int) -> li
             step()
             times.append(time.perf_counter() - t0)
         t = statistics.median(times)
-        flops = sum(2 * m * n * k for n, k in shapes)
+        flops = 2 * m * sum(w.out_features * w.in_features for w in weights)
         out.append({"bench": "model_linears", "dtype": str(dtype).removeprefix("torch."), "rows": m,
-                    "weights_mb": round(nbytes / 2**20, 1), "ms": round(1e3 * t, 2),
+                    "weights": len(weights), "weights_mb": round(nbytes / 2**20, 1), "ms": round(1e3 * t, 2),
                     "gflops": round(flops / t / 1e9, 1), "weights_gb_per_s": round(nbytes / t / 1e9, 2)})
     return out
 
