@@ -19,7 +19,11 @@ the rest of a batch's round trip, medians: `dispatch_ms` (submit to the first st
 step start), `inputs_ms` (the first stage's step start to its inputs built by
 `prepare_step`), `handoff_ms` (from the later of the previous stage's end and this
 stage's step start to its hidden states being in) and `return_ms` (the last stage's
-end to the driver holding the result). The
+end to the driver holding the result). Which stage sets the pace: `queue_ms` (per rank
+after the first stage, how long a batch the previous stage had finished waited for this
+one to be free; above 0, this stage is the slower), `gap_ms` (per rank, the time between
+a step's end and the next step's start when that batch was already submitted) and
+`period_ms` (submit to submit). The
 timelines come from `LlamaWorker.get_step_trace` and `Engine.get_batch_trace`
 (CLOCK_MONOTONIC, one clock for the host). The layer split and token budget are the
 engine's defaults unless given. `--config` runs another layout of
@@ -76,6 +80,27 @@ def _phase_stats(batches: list[int], stages: list[dict], tp: int, engine: dict[i
         handoff += [stages[k][b][1] - max(max(r[b][2] for r in before), stages[k][b][0]) for b in batches]
     if handoff:
         out["handoff_ms"] = _median_ms(handoff)
+    # Which stage sets the pace. `queue_ms`, per rank after the first stage: how long a
+    # batch the previous stage had finished waited for this rank to finish its previous
+    # batch (0 when the rank was idle): above 0, this stage is the slower one. `gap_ms`,
+    # per rank: from the end of one step to the start of the next when the next batch had
+    # already been submitted, the rank's own cost between steps (its reply, reading the
+    # next call, and whatever else ran on its core meanwhile).
+    queue = []
+    for k in range(tp, len(stages)):
+        before = stages[(k // tp - 1) * tp : (k // tp) * tp]
+        queue.append(_median_ms([max(0.0, stages[k][b][0] - max(r[b][2] for r in before)) for b in batches]))
+    if queue:
+        out["queue_ms"] = queue
+    gaps = []
+    for stage in stages:
+        steps = sorted(batches, key=lambda b: stage[b][0])
+        between = [stage[b][0] - stage[a][2] for a, b in zip(steps, steps[1:]) if engine[b][0] <= stage[a][2]]
+        gaps.append(_median_ms(between) if between else None)
+    out["gap_ms"] = gaps
+    submits = sorted(engine[b][0] for b in batches)
+    if len(submits) > 1:
+        out["period_ms"] = _median_ms([b - a for a, b in zip(submits, submits[1:])])  # submit to submit
     return out
 
 

@@ -1,0 +1,47 @@
+"""tools/bench_pipeline.py's per-phase figures, computed from a timeline written out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from tools import bench_pipeline
+
+
+def _s(*ms: float) -> tuple[float, ...]:
+    return tuple(t / 1e3 for t in ms)
+
+
+def test_phase_stats_name_the_slower_stage():
+    # Two stages, two batches in flight. Stage 0 computes for 9.9 ms a batch, stage 1 for
+    # 12 ms, so stage 1 sets the pace: each batch stage 0 finishes waits for it. Each rank's
+    # (step start, inputs in, end); stage 1 takes batch 0's call at once and then waits
+    # for its hidden states.
+    stage0 = {0: _s(0, 0.1, 10), 1: _s(10.2, 10.3, 20.2), 2: _s(22.4, 22.5, 32.4), 3: _s(34.8, 34.9, 44.8)}
+    stage1 = {0: _s(0.05, 10.1, 22.1), 1: _s(22.4, 22.5, 34.5), 2: _s(34.8, 34.9, 46.9), 3: _s(47.2, 47.3, 59.3)}
+    # (submitted, result seen by the driver): batches 2 and 3 are the next steps of 0 and 1.
+    engine = {0: _s(0, 22.3), 1: _s(0, 34.7), 2: _s(22.3, 47.1), 3: _s(34.7, 59.5)}
+
+    out = bench_pipeline._phase_stats([0, 1, 2, 3], [stage0, stage1], 1, engine)
+
+    assert out["batches"] == 4
+    assert out["stage_ms_per_batch"] == [9.9, 12.0]
+    # Batch 0 found stage 1 idle; 1, 2 and 3 waited 2.2, 2.4 and 2.4 ms for it.
+    assert out["queue_ms"] == [pytest.approx(2.3)]
+    # Stage 0 only counts 0 -> 1 (batches 2 and 3 were submitted after its previous step
+    # ended); stage 1 spends 0.3 ms between each of its steps.
+    assert out["gap_ms"] == [pytest.approx(0.2), pytest.approx(0.3)]
+    # Submits at 0, 0, 22.3 and 34.7 ms.
+    assert out["period_ms"] == pytest.approx(12.4)
+    assert out["return_ms"] == pytest.approx(0.2)
+    # Submit to stage 0's start: 0, 10.2 (batch 1 waited for batch 0), 0.1, 0.1.
+    assert out["dispatch_ms"] == pytest.approx(0.1)
+
+
+def test_phase_stats_one_stage_has_no_queue():
+    stage0 = {0: _s(0.5, 0.6, 10), 1: _s(10.5, 10.6, 20)}
+    engine = {0: _s(0, 10.2), 1: _s(10.2, 20.2)}
+    out = bench_pipeline._phase_stats([0, 1], [stage0], 1, engine)
+    assert "queue_ms" not in out and "handoff_ms" not in out
+    # Batch 1 was submitted after batch 0's step ended: no gap is counted.
+    assert out["gap_ms"] == [None]
+    assert out["period_ms"] == pytest.approx(10.2)
