@@ -45,3 +45,31 @@ def test_phase_stats_one_stage_has_no_queue():
     # Batch 1 was submitted after batch 0's step ended: no gap is counted.
     assert out["gap_ms"] == [None]
     assert out["period_ms"] == pytest.approx(10.2)
+
+
+def test_pin_driver_pins_every_thread_of_the_process():
+    import os
+    import threading
+
+    started, stop = threading.Event(), threading.Event()
+    helper = threading.Thread(target=lambda: (started.set(), stop.wait()), daemon=True)
+    helper.start()
+    started.wait()
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+    before = {tid: os.sched_getaffinity(tid) for tid in tids}
+    cpu = min(os.sched_getaffinity(0))
+    try:
+        bench_pipeline._pin_driver(None)
+        assert {tid: os.sched_getaffinity(tid) for tid in tids} == before
+        bench_pipeline._pin_driver(cpu)
+        assert os.sched_getaffinity(helper.native_id) == {cpu}
+        assert os.sched_getaffinity(0) == {cpu}
+        assert all(os.sched_getaffinity(tid) == {cpu} for tid in tids if os.path.exists(f"/proc/self/task/{tid}"))
+    finally:
+        for tid, cpus in before.items():
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except ProcessLookupError:
+                pass
+        stop.set()
+        helper.join()

@@ -67,7 +67,8 @@ def bench_model_linears(dtype: torch.dtype, rows: list[int], repeats: int) -> li
     prepack_stage(stage)
     weights = [m.weight_packed for m in stage.modules() if isinstance(m, PackedLinear)]
     del stage  # the packed weights are all that is timed
-    nbytes = sum(w.out_features * w.in_features for w in weights) * torch.finfo(dtype).bits // 8
+    params = sum(w.out_features * w.in_features for w in weights)
+    nbytes = params * torch.finfo(dtype).bits // 8
     out = []
     for m in rows:
         inputs = {w.in_features: torch.randn(m, w.in_features).to(dtype) for w in weights}
@@ -84,7 +85,7 @@ def bench_model_linears(dtype: torch.dtype, rows: list[int], repeats: int) -> li
             step()
             times.append(time.perf_counter() - t0)
         t = statistics.median(times)
-        flops = 2 * m * sum(w.out_features * w.in_features for w in weights)
+        flops = 2 * m * params
         out.append({"bench": "model_linears", "dtype": str(dtype).removeprefix("torch."), "rows": m,
                     "weights": len(weights), "weights_mb": round(nbytes / 2**20, 1), "ms": round(1e3 * t, 2),
                     "gflops": round(flops / t / 1e9, 1), "weights_gb_per_s": round(nbytes / t / 1e9, 2)})

@@ -31,8 +31,10 @@ tools/bench_throughput.py instead (once, with the engine's batches in flight); t
 the per-stage lists hold one entry per rank in global-rank order, e.g. TP2's two ranks
 of one stage. `--alternate ROUNDS` measures the overlap instead: one PP2 session whose
 runs alternate between two batches in flight and one (`Engine.set_max_inflight`), one
-line per run, then {"bench": "pipeline_overlap", "ratio_of_medians": ..., ...}. Run it
-alone on the machine.
+line per run, then {"bench": "pipeline_overlap", "ratio_of_medians": ..., ...}.
+`--pin-driver CPU` pins this process's threads (the engine's loop and the reply router)
+to one CPU once the gang is up: which core the driver's work lands on. Run it alone on
+the machine.
 """
 
 from __future__ import annotations
@@ -75,23 +77,17 @@ def _phase_stats(batches: list[int], stages: list[dict], tp: int, engine: dict[i
     out["inputs_ms"] = _median_ms([r[b][1] - r[b][0] for r in first for b in batches])  # stage 0 builds the step's inputs
     out["return_ms"] = _median_ms([engine[b][1] - max(r[b][2] for r in last) for b in batches])  # last stage ends -> driver has it
     handoff = []  # previous stage done and this one waiting -> its inputs are in
+    queue = []  # per rank after the first stage: previous stage done -> this rank free (0 if idle)
     for k in range(tp, len(stages)):
         before = stages[(k // tp - 1) * tp : (k // tp) * tp]
-        handoff += [stages[k][b][1] - max(max(r[b][2] for r in before), stages[k][b][0]) for b in batches]
+        done = {b: max(r[b][2] for r in before) for b in batches}
+        handoff += [stages[k][b][1] - max(done[b], stages[k][b][0]) for b in batches]
+        queue.append(_median_ms([max(0.0, stages[k][b][0] - done[b]) for b in batches]))
     if handoff:
         out["handoff_ms"] = _median_ms(handoff)
-    # Which stage sets the pace. `queue_ms`, per rank after the first stage: how long a
-    # batch the previous stage had finished waited for this rank to finish its previous
-    # batch (0 when the rank was idle): above 0, this stage is the slower one. `gap_ms`,
-    # per rank: from the end of one step to the start of the next when the next batch had
-    # already been submitted, the rank's own cost between steps (its reply, reading the
-    # next call, and whatever else ran on its core meanwhile).
-    queue = []
-    for k in range(tp, len(stages)):
-        before = stages[(k // tp - 1) * tp : (k // tp) * tp]
-        queue.append(_median_ms([max(0.0, stages[k][b][0] - max(r[b][2] for r in before)) for b in batches]))
-    if queue:
         out["queue_ms"] = queue
+    # Per rank, between two steps when the next batch was already submitted: the rank's
+    # reply, reading the next call, and whatever else ran on its core meanwhile.
     gaps = []
     for stage in stages:
         steps = sorted(batches, key=lambda b: stage[b][0])
@@ -104,13 +100,26 @@ def _phase_stats(batches: list[int], stages: list[dict], tp: int, engine: dict[i
     return out
 
 
-def run(config: str, max_inflight: Optional[int], dtype: str, engine_options: dict) -> dict:
+def _pin_driver(cpu: Optional[int]) -> None:
+    """Pins every thread of this process (the engine's caller and the reply router) to `cpu`.
+
+    Called once the gang has started, so that the ranks keep the CPUs `LLM` planned from
+    this process's affinity.
+    """
+    if cpu is None:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), {cpu})
+
+
+def run(config: str, max_inflight: Optional[int], dtype: str, engine_options: dict, pin_driver: Optional[int] = None) -> dict:
     from scheduling import LLM, SamplingParams
 
     options = {**CONFIGS[config], **engine_options}
     if max_inflight is not None:
         options["max_inflight"] = max_inflight
     with LLM(model=None, dtype=dtype, **options) as llm:
+        _pin_driver(pin_driver)
         specs = _workload(llm.args.vocab_size)
         params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
         llm.generate([s.prompt_token_ids for s in specs[:WARMUP]], params)
@@ -154,10 +163,11 @@ def run(config: str, max_inflight: Optional[int], dtype: str, engine_options: di
         "stage_busy_s": [round(b, 3) for b in busy],
         "stage_idle_s": [round(run_s - b, 3) for b in busy],
         "driver_turnaround_ms": round(1e3 * statistics.median(turnaround), 2) if turnaround else None,
+        "pin_driver": pin_driver,
     }
 
 
-def alternate(rounds: int, dtype: str, engine_options: dict) -> list[dict]:
+def alternate(rounds: int, dtype: str, engine_options: dict, pin_driver: Optional[int] = None) -> list[dict]:
     """PP2's overlap measured in one session: runs alternate between two batches in flight and one.
 
     On a machine whose speed drifts, pairs taken side by side in one process compare
@@ -169,6 +179,7 @@ def alternate(rounds: int, dtype: str, engine_options: dict) -> list[dict]:
     lines = []
     speeds: dict[int, list[float]] = {2: [], 1: []}
     with LLM(model=None, dtype=dtype, **{**CONFIGS["pp2"], **engine_options}) as llm:
+        _pin_driver(pin_driver)
         specs = _workload(llm.args.vocab_size)
         params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
         prompts = [s.prompt_token_ids for s in specs[WARMUP:]]
@@ -189,6 +200,7 @@ def alternate(rounds: int, dtype: str, engine_options: dict) -> list[dict]:
         "config": "pp2",
         "dtype": dtype,
         "rounds": rounds,
+        "pin_driver": pin_driver,
         "inflight2_median": round(statistics.median(speeds[2]), 1),
         "inflight1_median": round(statistics.median(speeds[1]), 1),
         "ratio_of_medians": round(statistics.median(speeds[2]) / statistics.median(speeds[1]), 3),
@@ -213,6 +225,8 @@ def main() -> None:
     parser.add_argument("--no-decode-kernel", action="store_true", help="SDPA for decode attention (models/decode_attention.py off)")
     parser.add_argument("--no-move-mlp", action="store_true", help="the boundary MLP always on its own stage (LLM move_boundary_mlp=False)")
     parser.add_argument("--no-move-attention", action="store_true", help="only the boundary MLP may move (LLM move_boundary_attention=False)")
+    parser.add_argument("--pin-driver", type=int, metavar="CPU",
+                        help="once the gang is up, pin this process's threads (the driver) to CPU")
     parser.add_argument("--no-shm-handoff", action="store_true", help="hidden states between stages through gloo send/recv (LLM shm_handoff=False)")
     args = parser.parse_args()
     options: dict = {}
@@ -233,11 +247,11 @@ def main() -> None:
     if args.alternate:
         if args.config != "pp2":
             parser.error("--alternate measures pp2's overlap; leave --config at pp2")
-        alternate(args.alternate, args.dtype, options)
+        alternate(args.alternate, args.dtype, options, args.pin_driver)
         return
     inflights = args.inflight or ([2, 1] if args.config == "pp2" else [None])
     for inflight in inflights:
-        print(json.dumps(run(args.config, inflight, args.dtype, options)), flush=True)
+        print(json.dumps(run(args.config, inflight, args.dtype, options, args.pin_driver)), flush=True)
 
 
 if __name__ == "__main__":
