@@ -12,14 +12,13 @@ one, wins at its first position.
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Callable, Optional
 
 import torch
 
-__all__ = ["prepare", "row_argmax"]
+from models.numba_kernels import load_checked
 
-logger = logging.getLogger(__name__)
+__all__ = ["prepare", "row_argmax"]
 
 _Kernel = Callable[..., None]
 
@@ -45,22 +44,21 @@ def _check_rows(dtype: torch.dtype) -> torch.Tensor:
 @functools.lru_cache(maxsize=1)
 def _kernels() -> Optional[dict[torch.dtype, _Kernel]]:
     """The kernels by dtype, built (or loaded from numba's cache) and checked on the first call; None if unusable."""
-    try:
-        from models import argmax_kernels as kern
-    except ImportError as exc:
-        logger.info("numba unavailable (%s): greedy argmax uses torch.max", exc)
-        return None
-    kernels = {torch.bfloat16: kern.argmax_bfloat16, torch.float32: kern.argmax_float32}
-    try:
-        for dtype, kernel in kernels.items():
-            x = _check_rows(dtype)
-            got, want = _run(kernel, x), x.max(dim=-1).indices
-            if not torch.equal(got, want):
-                raise RuntimeError(f"the {dtype} kernel chose {got.tolist()}, torch.max {want.tolist()}")
-    except Exception as exc:  # noqa: BLE001 - any failure to build means "use torch.max"
-        logger.warning("argmax kernel unavailable (%s): greedy argmax uses torch.max", exc)
-        return None
-    return kernels
+    return load_checked(
+        "models.argmax_kernels",
+        lambda kern: {torch.bfloat16: kern.argmax_bfloat16, torch.float32: kern.argmax_float32},
+        _check,
+        "argmax kernel",
+        "greedy argmax uses torch.max",
+    )
+
+
+def _check(kernels: dict[torch.dtype, _Kernel]) -> None:
+    for dtype, kernel in kernels.items():
+        x = _check_rows(dtype)
+        got, want = _run(kernel, x), x.max(dim=-1).indices
+        if not torch.equal(got, want):
+            raise RuntimeError(f"the {dtype} kernel chose {got.tolist()}, torch.max {want.tolist()}")
 
 
 def prepare() -> bool:

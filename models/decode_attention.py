@@ -36,6 +36,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from models.numba_kernels import load_checked
+
 __all__ = ["available", "mirror_decode_attention", "prepare", "supports"]
 
 logger = logging.getLogger(__name__)
@@ -61,18 +63,13 @@ def _check(run: Callable[[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor,
 @functools.lru_cache(maxsize=1)
 def _kernels() -> Optional[dict[torch.dtype, _Kernel]]:
     """The one-thread kernels by dtype; None where numba is missing or they fail their check."""
-    try:
-        from models import decode_attention_kernels as kern
-    except ImportError as exc:
-        logger.info("numba unavailable (%s): decode attention uses SDPA", exc)
-        return None
-    kernels = {torch.float32: kern.attend_float32, torch.bfloat16: kern.attend_bfloat16}
-    try:
-        _check(lambda dtype, *a: _run(kernels[dtype], 1, *a, 0.3))
-    except Exception as exc:  # noqa: BLE001 - any failure to build means "use SDPA"
-        logger.warning("decode attention kernel unavailable (%s): using SDPA", exc)
-        return None
-    return kernels
+    return load_checked(
+        "models.decode_attention_kernels",
+        lambda kern: {torch.float32: kern.attend_float32, torch.bfloat16: kern.attend_bfloat16},
+        lambda kernels: _check(lambda dtype, *a: _run(kernels[dtype], 1, *a, 0.3)),
+        "decode attention kernel",
+        "decode attention uses SDPA",
+    )
 
 
 @functools.lru_cache(maxsize=1)

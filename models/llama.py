@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models import norm_rope
 from models.argmax import row_argmax
 from models.config import BoundaryMove, LlamaArgs
 from models.kv_cache import LayerKV, PagedKVCache
@@ -67,6 +68,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
+            out = norm_rope.rms_norm(x, self.weight, self.eps)  # one pass, on CPU (models/norm_rope.py)
+            if out is not None:
+                return out
             # The same arithmetic with two passes over x instead of four and one [T, dim]
             # temporary instead of three (7680 rows x 512, one thread: 3.0 ms against 7.0;
             # bfloat16, 512 rows: 0.15 ms against 0.29).
@@ -142,6 +146,12 @@ def attend(
     )
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rotary for a fresh projection x: in place in one pass where a kernel can (models/norm_rope.py)."""
+    out = norm_rope.rotate_(x, cos, sin)
+    return out if out is not None else apply_rotary(x, cos, sin)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention over a paged KV cache."""
 
@@ -160,7 +170,7 @@ class Attention(nn.Module):
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys (rotated) and values [T, kv_heads, head_dim] of the normed input x."""
         t, hd = x.shape[0], self.head_dim
-        k = apply_rotary(self.k_proj(x).view(t, self.n_kv_heads, hd), cos, sin)
+        k = _rotate(self.k_proj(x).view(t, self.n_kv_heads, hd), cos, sin)
         return k, self.v_proj(x).view(t, self.n_kv_heads, hd)
 
     def forward(
@@ -174,7 +184,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Attention of the normed input x; `kv`: its keys and values if already computed (`project_kv`)."""
         t, hd = x.shape[0], self.head_dim
-        q = apply_rotary(self.q_proj(x).view(t, self.n_heads, hd), cos, sin)
+        q = _rotate(self.q_proj(x).view(t, self.n_heads, hd), cos, sin)
         k, v = kv if kv is not None else self.project_kv(x, cos, sin)
         cache.write(k, v, step.slot_mapping, step.decode)
 

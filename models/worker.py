@@ -37,7 +37,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from models import argmax, decode_attention
+from models import argmax, decode_attention, norm_rope
 from models.batch import ModelBatch, ModelOutput
 from models.config import (
     BoundaryMove,
@@ -113,6 +113,9 @@ class LlamaWorker:
             layer and a copy of its KV cache (the previous stage sends the layer's keys and
             values with every step), so a prompt-heavy step can run all of the layer but its
             keys and values there.
+        norm_rope_kernels: on CPU, RMSNorm and the rotation of queries and keys run in the
+            numba kernels of models/norm_rope.py (float32 and bfloat16); False, or where
+            numba is missing, keeps torch's ops. Process-wide, as a rank is one process.
     """
 
     def __init__(
@@ -134,6 +137,7 @@ class LlamaWorker:
         decode_kernel: bool = True,
         move_boundary_mlp: bool = True,
         move_boundary_attention: bool = True,
+        norm_rope_kernels: bool = True,
     ) -> None:
         self.ctx = ctx
         self.where = f"rank (pp={ctx.pp}, tp={ctx.tp})"
@@ -175,6 +179,7 @@ class LlamaWorker:
         self._handoff_out: Optional[ShmHandoffSender] = None
         self.prepack_weights = bool(prepack_weights)
         self.decode_kernel = bool(decode_kernel)
+        self.norm_rope_kernels = bool(norm_rope_kernels)  # and loaded: see load_model
         # Before the weights and KV cache are allocated, so those too come from the heap.
         self.keeps_freed_memory = self.device.type == "cpu" and keep_freed_memory and _keep_freed_memory()
         self.num_packed = 0
@@ -267,6 +272,9 @@ class LlamaWorker:
         )
         if layout.is_last_stage and self.device.type == "cpu":
             argmax.prepare()  # the greedy argmax kernel, also numba: built now, not in the first step
+        # The RMSNorm and rotary kernels (numba too), used wherever they can run.
+        self.norm_rope_kernels = self.norm_rope_kernels and self.device.type == "cpu" and norm_rope.prepare()
+        norm_rope.set_enabled(self.norm_rope_kernels)
         self.cache = PagedKVCache(
             layout.cache_layers,
             num_blocks,
@@ -302,6 +310,7 @@ class LlamaWorker:
             "load_seconds": self.load_seconds,
             "packed_weights": self.num_packed,
             "decode_kernel": self.decode_kernel,
+            "norm_rope_kernels": self.norm_rope_kernels,
         }
 
     def _num_blocks(self) -> int:
@@ -491,6 +500,7 @@ class LlamaWorker:
             "kv_mirror_fallbacks": mirror.fallbacks if mirror is not None else 0,
             "packed_weights": self.num_packed,
             "decode_kernel": self.decode_kernel,
+            "norm_rope_kernels": self.norm_rope_kernels,
             "keeps_freed_memory": self.keeps_freed_memory,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),

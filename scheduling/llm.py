@@ -106,6 +106,9 @@ class LLM:
         shm_handoff: on CPU with pp > 1, hidden states go to the next stage through a
             shared-memory ring (models/shm_handoff.py) instead of gloo's send/recv; True
             by default, gloo where the ring cannot be mapped.
+        norm_rope_kernels: on CPU, RMSNorm and the rotation of queries and keys run in
+            numba kernels (models/norm_rope.py); True by default, torch's ops where numba
+            is missing.
         keep_freed_memory: on CPU, each rank's glibc keeps freed memory in the process
             (models/host_memory.py): faster large steps, RSS stays at its peak.
         max_num_seqs, max_num_batched_tokens: the most sequences / tokens in one batch;
@@ -145,6 +148,7 @@ class LLM:
         move_boundary_mlp: bool = True,
         move_boundary_attention: bool = True,
         shm_handoff: bool = True,
+        norm_rope_kernels: bool = True,
         keep_freed_memory: bool = True,
         max_num_seqs: int = 256,
         max_num_batched_tokens: Optional[int] = None,
@@ -203,6 +207,8 @@ class LLM:
             worker_kwargs["move_boundary_attention"] = False
         if not shm_handoff:
             worker_kwargs["shm_handoff"] = False
+        if not norm_rope_kernels:
+            worker_kwargs["norm_rope_kernels"] = False
         if num_threads is not None:
             worker_kwargs["num_threads"] = int(num_threads)
         if layer_split is not None:

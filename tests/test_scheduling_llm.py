@@ -114,9 +114,10 @@ class TestLayout:
         if prepack_supported(torch.float32, "cpu"):
             assert all(s["packed_weights"] > 0 for s in stats)
         assert all(s["keeps_freed_memory"] == host_has_glibc() for s in stats)
-        # ... and attended its decode steps with the kernel, built while loading.
+        # ... and attended its decode steps with the kernel, built while loading, as were the
+        # RMSNorm and rotary kernels.
         if importlib.util.find_spec("numba") is not None:
-            assert all(s["decode_kernel"] for s in stats)
+            assert all(s["decode_kernel"] and s["norm_rope_kernels"] for s in stats)
         # With a pipeline the last stage holds the MLP of the layer before its own; both
         # sides of the boundary agreed, step by step, on where it ran.
         pp, tp = llm.supervisor.pp_size, llm.supervisor.tp_size
@@ -277,16 +278,18 @@ def test_the_boundary_layer_moved_across_stages_changes_no_token(reference, tp, 
 
 
 def test_plain_weights_and_default_malloc_give_the_same_tokens(reference):
-    """prepack_weights, keep_freed_memory, decode_kernel, move_boundary_mlp and shm_handoff off reach every rank
-    and change no token."""
+    """prepack_weights, keep_freed_memory, decode_kernel, move_boundary_mlp, shm_handoff and norm_rope_kernels
+    off reach every rank and change no token."""
     path, expected, _ = reference
     with LLM(
         path, tp=2, pp=2, block_size=BLOCK, prepack_weights=False, keep_freed_memory=False, decode_kernel=False,
-        move_boundary_mlp=False, shm_handoff=False, start_timeout=120.0,
+        move_boundary_mlp=False, shm_handoff=False, norm_rope_kernels=False, start_timeout=120.0,
     ) as llm:
         pids = llm.supervisor.pids
         stats = llm.supervisor.collective_rpc("get_stats")
-        assert [(s["packed_weights"], s["keeps_freed_memory"], s["decode_kernel"]) for s in stats] == [(0, False, False)] * 4
+        assert [(s["packed_weights"], s["keeps_freed_memory"], s["decode_kernel"], s["norm_rope_kernels"]) for s in stats] == [
+            (0, False, False, False)
+        ] * 4
         assert [(s["handoff_in"], s["handoff_out"]) for s in stats] == [(None, "dist")] * 2 + [("dist", None)] * 2
         outputs = llm.generate(MANY_PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
         assert [o.token_ids for o in outputs] == expected

@@ -228,6 +228,7 @@ def main() -> None:
     parser.add_argument("--pin-driver", type=int, metavar="CPU",
                         help="once the gang is up, pin this process's threads (the driver) to CPU")
     parser.add_argument("--no-shm-handoff", action="store_true", help="hidden states between stages through gloo send/recv (LLM shm_handoff=False)")
+    parser.add_argument("--no-norm-rope", action="store_true", help="torch's ops for RMSNorm and rotary embeddings (LLM norm_rope_kernels=False)")
     args = parser.parse_args()
     options: dict = {}
     if args.max_num_batched_tokens:
@@ -244,6 +245,8 @@ def main() -> None:
         options["move_boundary_attention"] = False
     if args.no_shm_handoff:
         options["shm_handoff"] = False
+    if args.no_norm_rope:
+        options["norm_rope_kernels"] = False
     if args.alternate:
         if args.config != "pp2":
             parser.error("--alternate measures pp2's overlap; leave --config at pp2")

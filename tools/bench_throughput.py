@@ -165,6 +165,8 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
         out.append("--no-move-attention")
     if args.no_shm_handoff:
         out.append("--no-shm-handoff")
+    if args.no_norm_rope:
+        out.append("--no-norm-rope")
     return out
 
 
@@ -182,6 +184,7 @@ def main() -> None:
     parser.add_argument("--no-move-mlp", action="store_true", help="the boundary MLP always on its own stage (LLM move_boundary_mlp=False)")
     parser.add_argument("--no-move-attention", action="store_true", help="only the boundary MLP may move (LLM move_boundary_attention=False)")
     parser.add_argument("--no-shm-handoff", action="store_true", help="hidden states between stages through gloo send/recv (LLM shm_handoff=False)")
+    parser.add_argument("--no-norm-rope", action="store_true", help="torch's ops for RMSNorm and rotary embeddings (LLM norm_rope_kernels=False)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration here
     args = parser.parse_args()
     engine_options: dict = {}
@@ -199,6 +202,8 @@ def main() -> None:
         engine_options["move_boundary_attention"] = False
     if args.no_shm_handoff:
         engine_options["shm_handoff"] = False
+    if args.no_norm_rope:
+        engine_options["norm_rope_kernels"] = False
     if args.one:
         if args.layer_split and CONFIGS.get(args.one, {}).get("pp", 1) > 1:
             engine_options["layer_split"] = args.layer_split

@@ -1,0 +1,42 @@
+"""Loading a module of numba kernels once: imported, built (or read from numba's cache) and checked, or None.
+
+The kernel modules (models/*_kernels.py) import numba at their top, so importing one
+fails where numba is missing; a kernel whose build or check fails on this machine is
+as unusable. Either way the caller keeps its torch path, and the log says why: at INFO
+for a missing numba (an optional dependency), at WARNING for a kernel that did not
+build or did not compute what torch computes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from types import ModuleType
+from typing import Callable, Optional, TypeVar
+
+__all__ = ["load_checked"]
+
+logger = logging.getLogger(__name__)
+
+K = TypeVar("K")
+
+
+def load_checked(
+    module: str, select: Callable[[ModuleType], K], check: Callable[[K], None], what: str, instead: str
+) -> Optional[K]:
+    """`select(module)` once `check` has passed on it; None where numba is missing or the check fails.
+
+    `what` names the kernels and `instead` what the caller does without them, for the log.
+    """
+    try:
+        kern = importlib.import_module(module)
+    except ImportError as exc:
+        logger.info("numba unavailable (%s): %s", exc, instead)
+        return None
+    kernels = select(kern)
+    try:
+        check(kernels)
+    except Exception as exc:  # noqa: BLE001 - any failure to build or to agree means "use torch"
+        logger.warning("%s unavailable (%s): %s", what, exc, instead)
+        return None
+    return kernels
