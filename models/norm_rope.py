@@ -9,9 +9,11 @@ at 512 rows 212 -> 115 and 397 -> 171 us.
 
 Same numbers as torch: the rotation rounds where torch's ops round, so its output is
 torch's bit for bit (checked when the kernels are built); the norm computes in float32
-as `models.llama.RMSNorm` does, but sums the squares in another order, which can move
-its scale by an ulp (float32) and so, rarely, round an output to the neighbouring
-bfloat16.
+as transformers' LlamaRMSNorm does (mean of squares, rsqrt, rounding to the input's
+dtype before the weight), but sums the squares in another order, which can move its
+scale by an ulp (float32) and so, rarely, round an output to the neighbouring bfloat16.
+(`models.llama.RMSNorm`'s own torch path, used without the kernel, rounds differently
+again: it squares a `vector_norm`.)
 
 `rms_norm` and `rotate_` return None wherever a kernel cannot run (no numba, a build
 that failed its check, a GPU tensor, another dtype or shape, autograd) or the process

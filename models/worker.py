@@ -115,7 +115,8 @@ class LlamaWorker:
             keys and values there.
         norm_rope_kernels: on CPU, RMSNorm and the rotation of queries and keys run in the
             numba kernels of models/norm_rope.py (float32 and bfloat16); False, or where
-            numba is missing, keeps torch's ops. Process-wide, as a rank is one process.
+            numba is missing, keeps torch's ops. Process-wide (a rank is one process): a
+            CPU worker loaded in a process that already runs another model sets it for both.
     """
 
     def __init__(
@@ -272,9 +273,14 @@ class LlamaWorker:
         )
         if layout.is_last_stage and self.device.type == "cpu":
             argmax.prepare()  # the greedy argmax kernel, also numba: built now, not in the first step
-        # The RMSNorm and rotary kernels (numba too), used wherever they can run.
-        self.norm_rope_kernels = self.norm_rope_kernels and self.device.type == "cpu" and norm_rope.prepare()
-        norm_rope.set_enabled(self.norm_rope_kernels)
+        # The RMSNorm and rotary kernels (numba too), for the dtypes they serve.
+        if self.device.type == "cpu":
+            self.norm_rope_kernels = (
+                self.norm_rope_kernels and self.dtype in (torch.float32, torch.bfloat16) and norm_rope.prepare()
+            )
+            norm_rope.set_enabled(self.norm_rope_kernels)  # process-wide (see the option)
+        else:
+            self.norm_rope_kernels = False  # GPU tensors never take them; other models in this process keep theirs
         self.cache = PagedKVCache(
             layout.cache_layers,
             num_blocks,

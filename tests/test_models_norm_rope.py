@@ -82,38 +82,63 @@ def test_the_norm_matches_torch_up_to_its_summation_order(dtype, rows, dim):
 
 
 @needs_numba
-def test_an_rmsnorm_module_runs_the_kernel_outside_autograd():
+def test_an_rmsnorm_module_runs_the_kernel_outside_autograd(monkeypatch):
+    ran = []
+    run_norm = norm_rope._run_norm
+    norm_rope.prepare()  # its check calls _run_norm too: built before the count starts
+    monkeypatch.setattr(norm_rope, "_run_norm", lambda *a: ran.append(1) or run_norm(*a))
     norm = RMSNorm(64, 1e-6)
     x = torch.randn(5, 64)
     with torch.inference_mode():
         got = norm(x)
+    assert ran == [1]
     torch.testing.assert_close(got, torch_norm(x, norm.weight.detach(), 1e-6), rtol=1e-6, atol=0)
 
 
+@needs_numba
 def test_where_no_kernel_can_run_the_caller_keeps_torchs_ops():
+    # Each input is contiguous and would run but for the one thing named.
     cos, sin = angles(3, 8, torch.float32)
     x = torch.randn(3, 2, 8)
-    weight = torch.ones(8)
+    rows, weight = torch.randn(3, 8), torch.ones(8)
     with torch.inference_mode():
+        assert norm_rope.rotate_(x.clone(), cos, sin) is not None and norm_rope.rms_norm(rows, weight, 1e-5) is not None
         assert norm_rope.rotate_(x.to(torch.float16), cos.half(), sin.half()) is None  # another dtype
         assert norm_rope.rotate_(x.transpose(0, 1).contiguous().transpose(0, 1), cos, sin) is None  # not contiguous
-        assert norm_rope.rotate_(x[:, :, :7], cos[:, :7], sin[:, :7]) is None  # odd head_dim
+        odd_cos, odd_sin = angles(3, 8, torch.float32)[0][:, :7].contiguous(), angles(3, 8, torch.float32)[1][:, :7].contiguous()
+        assert norm_rope.rotate_(x[:, :, :7].contiguous(), odd_cos, odd_sin) is None  # odd head_dim
         assert norm_rope.rotate_(x, cos.double(), sin.double()) is None  # mixed dtypes
+        assert norm_rope.rotate_(x, cos[:2].contiguous(), sin[:2].contiguous()) is None  # angles for other rows
         assert norm_rope.rotate_(x[:0], cos[:0], sin[:0]) is None  # no rows
         assert norm_rope.rms_norm(x, weight, 1e-5) is None  # 3-d
-        assert norm_rope.rms_norm(x[:, 0], torch.ones(7), 1e-5) is None  # weight of another width
-        assert norm_rope.rms_norm(x[:, 0].to(torch.float16), weight.half(), 1e-5) is None
+        assert norm_rope.rms_norm(rows, torch.ones(7), 1e-5) is None  # weight of another width
+        assert norm_rope.rms_norm(rows.t().contiguous().t(), weight, 1e-5) is None  # not contiguous
+        assert norm_rope.rms_norm(rows.half(), weight.half(), 1e-5) is None  # another dtype
+        assert norm_rope.rms_norm(rows[:0], weight, 1e-5) is None  # no rows
+    # Autograd on: nothing runs, x is untouched.
     before = x.clone()
-    assert norm_rope.rotate_(x, cos, sin) is None and torch.equal(x, before)  # autograd on: untouched
-    assert norm_rope.rms_norm(x[:, 0], weight, 1e-5) is None
+    assert norm_rope.rotate_(x, cos, sin) is None and torch.equal(x, before)
+    assert norm_rope.rms_norm(rows, weight, 1e-5) is None
+    # Turned off for the process: nothing runs either.
+    try:
+        norm_rope.set_enabled(False)
+        with torch.inference_mode():
+            assert norm_rope.rotate_(x, cos, sin) is None and norm_rope.rms_norm(rows, weight, 1e-5) is None
+    finally:
+        norm_rope.set_enabled(True)
+    assert norm_rope.enabled()
 
 
 def test_without_the_kernels_the_model_code_falls_back(monkeypatch):
     # What a host without numba, or one whose build failed its check, runs.
-    monkeypatch.setattr(norm_rope, "_kernels", lambda: None)
     cos, sin = angles(4, 8, torch.bfloat16)
     x = torch.randn(4, 2, 8).to(torch.bfloat16)
+    rows = x[:, 0].contiguous()
+    monkeypatch.setattr(norm_rope, "_kernels", lambda: None)
     with torch.inference_mode():
-        assert norm_rope.rotate_(x, cos, sin) is None and norm_rope.rms_norm(x[:, 0], torch.ones(8).bfloat16(), 1e-5) is None
+        assert norm_rope.rotate_(x, cos, sin) is None and norm_rope.rms_norm(rows, torch.ones(8).bfloat16(), 1e-5) is None
         norm = RMSNorm(8, 1e-5).to(torch.bfloat16)
-        torch.testing.assert_close(norm(x[:, 0]), torch_norm(x[:, 0], norm.weight.detach(), 1e-5), rtol=0, atol=0)
+        h = rows.float()
+        scale = torch.linalg.vector_norm(h, dim=-1, keepdim=True).pow(2).div(8).add(1e-5).rsqrt()
+        want = (h * scale).to(torch.bfloat16) * norm.weight.detach()  # models.llama.RMSNorm's own torch path
+        assert torch.equal(norm(rows), want)

@@ -1,6 +1,6 @@
 """The whole default model's step times with and without the RMSNorm and rotary kernels (models/norm_rope.py).
 
-Runs the default model in this process (one thread, packed weights, freed memory kept,
+Runs the default model in this process (one thread unless `--threads`, packed weights, freed memory kept,
 the KV mirror and the decode-attention kernel as the engine sets them) and alternates, step by step,
 between the kernels and torch's ops (`norm_rope.set_enabled`), so both see the same
 machine. Prints one JSON line per step shape:
@@ -86,13 +86,15 @@ def run(dtype: str, reps: int) -> list[dict]:
 
     def compare(shape: str, rows: int, make) -> dict:  # noqa: ANN001 - chunks for the n-th step
         times: dict[bool, list[float]] = {True: [], False: []}
-        for n in range(reps + WARMUP):
-            for on in (True, False) if n % 2 == 0 else (False, True):
-                norm_rope.set_enabled(on)
-                ms = step_ms(make())
-                if n >= WARMUP:
-                    times[on].append(ms)
-        norm_rope.set_enabled(True)
+        try:
+            for n in range(reps + WARMUP):
+                for on in (True, False) if n % 2 == 0 else (False, True):
+                    norm_rope.set_enabled(on)
+                    ms = step_ms(make())
+                    if n >= WARMUP:
+                        times[on].append(ms)
+        finally:
+            norm_rope.set_enabled(True)
         kernels, ops = statistics.median(times[True]), statistics.median(times[False])
         return {
             "bench": "norm_rope",
@@ -150,14 +152,16 @@ def run_ops(dtype: str, calls: int = 500) -> list[dict]:
             k = torch.randn(rows, args.num_key_value_heads, args.head_dim, generator=g).to(torch_dtype)
             cos, sin = rotary_cos_sin(torch.arange(128, 128 + rows), rope_inv_freq(args), torch_dtype)
             times = {}
-            for on in (False, True):
-                norm_rope.set_enabled(on)
-                if on:  # in place: rotating the same tensors again and again costs the same
-                    rotate = lambda: (norm_rope.rotate_(q, cos, sin), norm_rope.rotate_(k, cos, sin))  # noqa: E731
-                else:
-                    rotate = lambda: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))  # noqa: E731
-                times[on] = (_call_us(lambda: norm(x), calls), _call_us(rotate, calls))
-            norm_rope.set_enabled(True)
+            try:
+                for on in (False, True):
+                    norm_rope.set_enabled(on)
+                    if on:  # in place: rotating the same tensors again and again costs the same
+                        rotate = lambda: (norm_rope.rotate_(q, cos, sin), norm_rope.rotate_(k, cos, sin))  # noqa: E731
+                    else:
+                        rotate = lambda: (apply_rotary(q, cos, sin), apply_rotary(k, cos, sin))  # noqa: E731
+                    times[on] = (_call_us(lambda: norm(x), calls), _call_us(rotate, calls))
+            finally:
+                norm_rope.set_enabled(True)
             lines.append({
                 "bench": "norm_rope_ops",
                 "dtype": str(torch_dtype).removeprefix("torch."),
@@ -172,11 +176,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--reps", type=int, default=30, help="steps each way per shape")
-    parser.add_argument("--cpu", type=int, default=0, help="the CPU to pin this process to")
+    parser.add_argument("--cpu", type=int, default=0, help="the first CPU to pin this process to")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, pinned to CPUs --cpu onwards (the kernels run on one)")
     parser.add_argument("--ops", action="store_true", help="time the ops alone, per call, instead of whole steps")
     args = parser.parse_args()
-    os.sched_setaffinity(0, {args.cpu})
-    torch.set_num_threads(1)
+    os.sched_setaffinity(0, set(range(args.cpu, args.cpu + args.threads)))
+    torch.set_num_threads(args.threads)
     keep_freed_memory()  # as a rank does (models/host_memory.py): torch's temporaries reuse warm pages
     for line in run_ops(args.dtype) if args.ops else run(args.dtype, args.reps):
         print(json.dumps(line), flush=True)
