@@ -58,6 +58,13 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm arithmetic: float32 norm, rounded to x's dtype, times weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, computed in float32."""
 
@@ -81,9 +88,7 @@ class RMSNorm(nn.Module):
                 return torch.mul(x, scale).mul_(self.weight)
             # Rounded to x's dtype before the weight multiplies it, as transformers does.
             return h.mul_(scale).to(x.dtype).mul_(self.weight)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm_reference(x, self.weight, self.eps)
 
 
 def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:

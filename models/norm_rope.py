@@ -53,16 +53,10 @@ def enabled() -> bool:
     return _enabled
 
 
-def _reference_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # transformers' LlamaRMSNorm.
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
 def _check(kernels: dict[torch.dtype, tuple[_Kernel, _Kernel]]) -> None:
     # Builds (or loads from numba's cache) and checks each kernel now, so a broken toolchain fails once, here.
-    from models.llama import apply_rotary  # the op the kernel replaces (models.llama imports this module)
+    # The ops the kernels replace (models.llama imports this module, so not at its top).
+    from models.llama import apply_rotary, rms_norm_reference
 
     g = torch.Generator().manual_seed(0)
     for dtype in kernels:
@@ -76,7 +70,7 @@ def _check(kernels: dict[torch.dtype, tuple[_Kernel, _Kernel]]) -> None:
             raise RuntimeError(f"the {dtype} rotary kernel differs from torch by {(got - want).abs().nan_to_num().max().item()}")
         rows = (torch.randn(7, 48, generator=g) * 3).to(dtype)
         weight = (torch.rand(48, generator=g) + 0.5).to(dtype)
-        want = _reference_norm(rows, weight, 1e-5)
+        want = rms_norm_reference(rows, weight, 1e-5)
         got = _run_norm(kernels[dtype][0], rows, weight, 1e-5)
         if not torch.allclose(got.float(), want.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=0):
             raise RuntimeError(f"the {dtype} norm kernel differs from torch by {(got.float() - want.float()).abs().max().item()}")
@@ -120,7 +114,7 @@ def _plain(*xs: torch.Tensor) -> bool:
         _enabled
         and dtype in _BITS
         and not torch.is_grad_enabled()
-        and all(x.device.type == "cpu" and x.dtype == dtype and x.is_contiguous() for x in xs)
+        and all(x.is_cpu and x.dtype == dtype and x.is_contiguous() for x in xs)
     )
 
 

@@ -51,7 +51,15 @@ from typing import Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
 
-from bench_throughput import CONFIGS, NUM_PROMPTS, OUTPUT_LEN, WARMUP, _workload  # noqa: E402
+from bench_throughput import (  # noqa: E402
+    CONFIGS,
+    NUM_PROMPTS,
+    OUTPUT_LEN,
+    WARMUP,
+    _workload,
+    add_engine_switches,
+    switched_off,
+)
 
 
 def _median_ms(values: list[float]) -> float:
@@ -221,32 +229,15 @@ def main() -> None:
                              "(order flipped each round); one line per run, then the overlap")
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--layer-split", type=int, nargs="+", metavar="N")
-    parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights (models/prepack.py off)")
-    parser.add_argument("--no-decode-kernel", action="store_true", help="SDPA for decode attention (models/decode_attention.py off)")
-    parser.add_argument("--no-move-mlp", action="store_true", help="the boundary MLP always on its own stage (LLM move_boundary_mlp=False)")
-    parser.add_argument("--no-move-attention", action="store_true", help="only the boundary MLP may move (LLM move_boundary_attention=False)")
     parser.add_argument("--pin-driver", type=int, metavar="CPU",
                         help="once the gang is up, pin this process's threads (the driver) to CPU")
-    parser.add_argument("--no-shm-handoff", action="store_true", help="hidden states between stages through gloo send/recv (LLM shm_handoff=False)")
-    parser.add_argument("--no-norm-rope", action="store_true", help="torch's ops for RMSNorm and rotary embeddings (LLM norm_rope_kernels=False)")
+    add_engine_switches(parser)
     args = parser.parse_args()
-    options: dict = {}
+    options: dict = switched_off(args)
     if args.max_num_batched_tokens:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.layer_split:
         options["layer_split"] = args.layer_split
-    if args.no_prepack:
-        options["prepack_weights"] = False
-    if args.no_decode_kernel:
-        options["decode_kernel"] = False
-    if args.no_move_mlp:
-        options["move_boundary_mlp"] = False
-    if args.no_move_attention:
-        options["move_boundary_attention"] = False
-    if args.no_shm_handoff:
-        options["shm_handoff"] = False
-    if args.no_norm_rope:
-        options["norm_rope_kernels"] = False
     if args.alternate:
         if args.config != "pp2":
             parser.error("--alternate measures pp2's overlap; leave --config at pp2")

@@ -45,6 +45,33 @@ CONFIGS: dict[str, dict] = {
 }
 
 
+# The engine's features that are on by default and that the benchmarks can turn off:
+# (flag, the LLM option it sets to False, help).
+ENGINE_SWITCHES = (
+    ("--no-prepack", "prepack_weights", "plain F.linear weights on the ranks (models/prepack.py off)"),
+    ("--no-decode-kernel", "decode_kernel", "SDPA for decode attention (models/decode_attention.py off)"),
+    ("--no-move-mlp", "move_boundary_mlp", "the boundary MLP always on its own stage (LLM move_boundary_mlp=False)"),
+    ("--no-move-attention", "move_boundary_attention", "only the boundary MLP may move (LLM move_boundary_attention=False)"),
+    ("--no-shm-handoff", "shm_handoff", "hidden states between stages through gloo send/recv (LLM shm_handoff=False)"),
+    ("--no-norm-rope", "norm_rope_kernels", "torch's ops for RMSNorm and rotary embeddings (LLM norm_rope_kernels=False)"),
+)
+
+
+def _switch_dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def add_engine_switches(parser: argparse.ArgumentParser) -> None:
+    """Adds every ENGINE_SWITCHES flag to `parser`."""
+    for flag, _, text in ENGINE_SWITCHES:
+        parser.add_argument(flag, action="store_true", help=text)
+
+
+def switched_off(args: argparse.Namespace) -> dict[str, bool]:
+    """The LLM options that the parsed ENGINE_SWITCHES flags turn off."""
+    return {option: False for flag, option, _ in ENGINE_SWITCHES if getattr(args, _switch_dest(flag))}
+
+
 def _workload(vocab_size: int):
     import prompt_sets
 
@@ -155,19 +182,7 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
         out += ["--layer-split", *map(str, args.layer_split)]
     if args.kv_mirror_mb is not None:
         out += ["--kv-mirror-mb", str(args.kv_mirror_mb)]
-    if args.no_prepack:
-        out.append("--no-prepack")
-    if args.no_decode_kernel:
-        out.append("--no-decode-kernel")
-    if args.no_move_mlp:
-        out.append("--no-move-mlp")
-    if args.no_move_attention:
-        out.append("--no-move-attention")
-    if args.no_shm_handoff:
-        out.append("--no-shm-handoff")
-    if args.no_norm_rope:
-        out.append("--no-norm-rope")
-    return out
+    return out + [flag for flag, _, _ in ENGINE_SWITCHES if getattr(args, _switch_dest(flag))]
 
 
 def main() -> None:
@@ -179,31 +194,14 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, help="the engine's token budget per batch")
     parser.add_argument("--layer-split", type=int, nargs="+", metavar="N", help="decoder layers per stage (pp > 1; default the engine's)")
     parser.add_argument("--kv-mirror-mb", type=int, help="per rank, MiB of the dense decode KV copy (0: off; default the engine's)")
-    parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights on the ranks (models/prepack.py off)")
-    parser.add_argument("--no-decode-kernel", action="store_true", help="SDPA for decode attention (models/decode_attention.py off)")
-    parser.add_argument("--no-move-mlp", action="store_true", help="the boundary MLP always on its own stage (LLM move_boundary_mlp=False)")
-    parser.add_argument("--no-move-attention", action="store_true", help="only the boundary MLP may move (LLM move_boundary_attention=False)")
-    parser.add_argument("--no-shm-handoff", action="store_true", help="hidden states between stages through gloo send/recv (LLM shm_handoff=False)")
-    parser.add_argument("--no-norm-rope", action="store_true", help="torch's ops for RMSNorm and rotary embeddings (LLM norm_rope_kernels=False)")
+    add_engine_switches(parser)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration here
     args = parser.parse_args()
-    engine_options: dict = {}
+    engine_options: dict = switched_off(args)
     if args.max_num_batched_tokens:
         engine_options["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.kv_mirror_mb is not None:
         engine_options["kv_mirror_bytes"] = args.kv_mirror_mb * 2**20
-    if args.no_prepack:
-        engine_options["prepack_weights"] = False
-    if args.no_decode_kernel:
-        engine_options["decode_kernel"] = False
-    if args.no_move_mlp:
-        engine_options["move_boundary_mlp"] = False
-    if args.no_move_attention:
-        engine_options["move_boundary_attention"] = False
-    if args.no_shm_handoff:
-        engine_options["shm_handoff"] = False
-    if args.no_norm_rope:
-        engine_options["norm_rope_kernels"] = False
     if args.one:
         if args.layer_split and CONFIGS.get(args.one, {}).get("pp", 1) > 1:
             engine_options["layer_split"] = args.layer_split
