@@ -8,7 +8,10 @@ cross-core wake-up of 50 us or more, which would double the round trip of a
 small call. Whoever reads resolves every reply it sees, not only its own.
 
 Both the reader and the idle router wait on every actor's process sentinel, so a
-death fails every pending call at once, without waiting for a deadline.
+death fails every pending call at once, without waiting for a deadline. An error
+reply is checked against the sentinels first: a peer of a dead rank often reports
+its own failure ("rank gone") in the same poll that shows the death, and the death
+is what the caller must see.
 
 Deadlines: a call's clock starts when it becomes the oldest outstanding call,
 i.e. when the call ahead of it finishes, so pipelined batches are not charged
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Optional
 
-from actors.errors import ActorError, ActorTimeout, SupervisorClosed, unpack_exception
+from actors.errors import ActorError, ActorTimeout, SupervisorClosed, format_rank, unpack_exception
 from actors.gang import BaseGang
 from actors.mailbox import ReplyReader
 
@@ -335,15 +338,21 @@ class Router:
             return
         coords = self.gang.ranks.coords(rank)
         error = unpack_exception(payload, coords, call.method, self.gang.pids[rank], self.gang.hosts[rank])
-        if call.critical:
-            self._break(self._death_behind(call) or error, first=call)
+        # A rank that has already died is the cause even of a plain call's error: a peer
+        # that waited on it reports "rank gone" in the same poll that shows the death.
+        death = self._death_behind(call, DEATH_SETTLE_S if call.critical else 0.0)
+        if death is not None:
+            logger.info("call %d failed on %s behind a death: %s", call.call_id, format_rank(error.rank), error)
+            self._break(death, first=call)
+        elif call.critical:
+            self._break(error, first=call)
         else:
             call.future.set_exception(error)
 
-    def _death_behind(self, call: PendingCall) -> Optional[ActorError]:
-        """The death of a rank, if one has died or dies within DEATH_SETTLE_S: the real cause
-        of a critical call's error on a peer (e.g. gloo's 'Connection reset by peer')."""
-        for sentinel in wait(list(self._sentinel_rank), timeout=DEATH_SETTLE_S):
+    def _death_behind(self, call: PendingCall, settle_s: float) -> Optional[ActorError]:
+        """The death of a rank, if one has died or dies within `settle_s`: the real cause of
+        an error on a peer (e.g. gloo's 'Connection reset by peer')."""
+        for sentinel in wait(list(self._sentinel_rank), timeout=settle_s):
             return self.gang.death_of(self._sentinel_rank[sentinel], during=f"call {call.call_id} {call.method!r}")
         return None
 
