@@ -10,8 +10,8 @@ small call. Whoever reads resolves every reply it sees, not only its own.
 Both the reader and the idle router wait on every actor's process sentinel, so a
 death fails every pending call at once, without waiting for a deadline. An error
 reply is checked against the sentinels first: a peer of a dead rank often reports
-its own failure ("rank gone") in the same poll that shows the death, and the death
-is what the caller must see.
+its own failure ("rank gone") before or with the death, and the death is what the
+caller must see.
 
 Deadlines: a call's clock starts when it becomes the oldest outstanding call,
 i.e. when the call ahead of it finishes, so pipelined batches are not charged
@@ -44,6 +44,10 @@ logger = logging.getLogger(__name__)
 # rank that reported it: a rank that dies resets its collective connections while it
 # exits, so its peers' "connection reset" errors can arrive before its sentinel fires.
 DEATH_SETTLE_S = 0.2
+
+# What a peer raises when the rank it exchanges data with is gone (models' shared-memory
+# channels raise ConnectionError; a pipe's end, EOFError).
+PEER_LOSS_ERRORS = (ConnectionError, EOFError)
 
 
 @dataclass(eq=False)
@@ -338,9 +342,13 @@ class Router:
             return
         coords = self.gang.ranks.coords(rank)
         error = unpack_exception(payload, coords, call.method, self.gang.pids[rank], self.gang.hosts[rank])
-        # A rank that has already died is the cause even of a plain call's error: a peer
-        # that waited on it reports "rank gone" in the same poll that shows the death.
-        death = self._death_behind(call, DEATH_SETTLE_S if call.critical else 0.0)
+        # A rank that has died is the cause even of a plain call's error: a peer that waited
+        # on it reports "rank gone", often before the driver sees the death (the dying rank's
+        # pipes close at once, but a forkserver child's sentinel fires only once the fork
+        # server has reaped it, which on a loaded machine came later than the peer's reply).
+        # A lost connection is worth the settle; any other error only looks.
+        peer_lost = isinstance(getattr(error, "cause", None), PEER_LOSS_ERRORS)
+        death = self._death_behind(call, DEATH_SETTLE_S if call.critical or peer_lost else 0.0)
         if death is not None:
             logger.info("call %d failed on %s behind a death: %s", call.call_id, format_rank(error.rank), error)
             self._break(death, first=call)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
+import time
 from concurrent.futures import Future
 from multiprocessing import Pipe
 from typing import Optional
@@ -19,7 +21,7 @@ from actors.context import RankMap
 from actors.errors import ActorDied, ActorError, RemoteError, pack_exception
 from actors.gang import BaseGang
 from actors.mailbox import Mailbox
-from actors.router import PendingCall, Router
+from actors.router import DEATH_SETTLE_S, PendingCall, Router
 
 
 class PipeGang(BaseGang):
@@ -135,3 +137,35 @@ def test_a_death_alone_fails_every_pending_call(gang_and_router):
     for call in (first, second):
         error = _result(call.future)
         assert isinstance(error, ActorDied) and error.rank == (1, 0), repr(error)
+
+
+def test_a_lost_connection_waits_for_a_death_that_shows_late(gang_and_router):
+    # A forkserver child's sentinel fires once the fork server has reaped it: on a loaded
+    # machine the peer's "sender gone" came first (CI, under a CPU hog 9 runs in 25).
+    gang, router, broken = gang_and_router
+    call = _call(router, 5)
+    death = threading.Timer(DEATH_SETTLE_S / 4, gang.kill, args=(0,))
+    death.start()
+    router._deliver(5, 1, False, pack_exception(ConnectionError("the sending rank 0 is gone")))
+    error = _result(call.future)
+    death.join()
+    assert isinstance(error, ActorDied) and error.rank == (0, 0), repr(error)
+
+
+def test_a_plain_error_does_not_wait_for_deaths(gang_and_router):
+    gang, router, broken = gang_and_router
+    call = _call(router, 6)
+    start = time.monotonic()
+    router._deliver(6, 1, False, pack_exception(ValueError("bad input")))
+    error = _result(call.future)
+    assert isinstance(error, RemoteError) and isinstance(error.cause, ValueError), repr(error)
+    assert time.monotonic() - start < DEATH_SETTLE_S / 2
+
+
+def test_a_lost_connection_with_every_rank_alive_is_the_peer_error(gang_and_router):
+    gang, router, broken = gang_and_router
+    call = _call(router, 8)
+    router._deliver(8, 1, False, pack_exception(ConnectionError("the sending rank 0 is gone")))
+    error = _result(call.future)
+    assert isinstance(error, RemoteError) and isinstance(error.cause, ConnectionError), repr(error)
+    assert error.rank == (1, 0) and router.failure is None
