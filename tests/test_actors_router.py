@@ -95,6 +95,13 @@ def _call(router: Router, call_id: int, critical: bool = False) -> PendingCall:
     return call
 
 
+def _wait_for(condition, timeout: float = 10.0) -> None:  # noqa: ANN001 - a no-argument callable
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def _result(future: Future) -> object:
     try:
         return future.result(timeout=10)
@@ -114,6 +121,8 @@ def test_a_peer_error_behind_a_death_already_visible_fails_the_call_with_the_dea
     assert isinstance(error, ActorDied), repr(error)
     assert error.rank == (0, 0) and error.during == "call 7 'stream'"
     assert router.failure is not None
+    _wait_for(lambda: broken)  # the router thread hands the broken gang to the policy
+    assert isinstance(broken[0], ActorDied) and broken[0].rank == (0, 0)
 
 
 def test_a_plain_error_with_every_rank_alive_fails_only_its_call(gang_and_router):
@@ -168,4 +177,4 @@ def test_a_lost_connection_with_every_rank_alive_is_the_peer_error(gang_and_rout
     router._deliver(8, 1, False, pack_exception(ConnectionError("the sending rank 0 is gone")))
     error = _result(call.future)
     assert isinstance(error, RemoteError) and isinstance(error.cause, ConnectionError), repr(error)
-    assert error.rank == (1, 0) and router.failure is None
+    assert error.rank == (1, 0) and router.failure is None and not broken
