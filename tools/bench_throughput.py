@@ -67,9 +67,14 @@ def add_engine_switches(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, action="store_true", help=text)
 
 
+def _switches_given(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(flag, option) of each ENGINE_SWITCHES flag set in the parsed `args`."""
+    return [(flag, option) for flag, option, _ in ENGINE_SWITCHES if getattr(args, _switch_dest(flag))]
+
+
 def switched_off(args: argparse.Namespace) -> dict[str, bool]:
     """The LLM options that the parsed ENGINE_SWITCHES flags turn off."""
-    return {option: False for flag, option, _ in ENGINE_SWITCHES if getattr(args, _switch_dest(flag))}
+    return {option: False for _, option in _switches_given(args)}
 
 
 def _workload(vocab_size: int):
@@ -182,7 +187,7 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
         out += ["--layer-split", *map(str, args.layer_split)]
     if args.kv_mirror_mb is not None:
         out += ["--kv-mirror-mb", str(args.kv_mirror_mb)]
-    return out + [flag for flag, _, _ in ENGINE_SWITCHES if getattr(args, _switch_dest(flag))]
+    return out + [flag for flag, _ in _switches_given(args)]
 
 
 def main() -> None:
