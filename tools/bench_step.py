@@ -6,37 +6,127 @@ tokens, greedy) and prints one JSON line per run:
   {"bench": "step", "threads": T, "kv_mirror_mb": M, "prefill_s": ..., "decode_ms_per_step": ...,
    "total_s": ..., "output_tokens_per_s": ..., "profile": {op: share of decode time, ...}}
 `--profile` runs torch.profiler over decode steps 20-39 and reports the largest ops'
-shares of their self time. Two copies pinned to different cores (`--cpu 0`, `--cpu 1`)
-show how much one busy core slows the other. Run it alone otherwise.
+shares of their self time (numba's kernels are not ops: they are missing from it).
+`--parts` instead times the parts of every decode step from the 10th on, kernels
+included, and adds "parts_ms_per_step": the mean milliseconds a step spends in the
+decoder layers' projections ("linears"), the LM head's, decode attention, writing keys
+and values, RMSNorm, rotary embeddings (angles and rotation), the greedy argmax,
+building the step's inputs, and everything else ("other": residual adds, SiLU,
+the embedding, Python). Each part counts its own time, not that of the parts it calls;
+the timers cost about 1 us a call. Run it at two row counts (`--max-num-seqs 32`, `64`)
+to see which parts grow with the rows and which are paid once a step. Two copies
+pinned to different cores (`--cpu 0`, `--cpu 1`) show how much one busy core slows
+the other. Run it alone otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import functools
 import json
 import os
 import resource
 import statistics
+import sys
 import time
+from typing import Any, Callable, Iterator
 
-import torch
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
 
-from actors.context import ActorContext
-from bench_throughput import INPUT_LEN, NUM_PROMPTS, OUTPUT_LEN
-from models.default_model import default_model_dir
-from models.worker import LlamaWorker
-from scheduling.llm import DEFAULT_KV_CACHE_BYTES, default_max_num_batched_tokens
-from scheduling.request import Request
-from scheduling.sampling_params import SamplingParams
-from scheduling.scheduler import Scheduler
+import torch  # noqa: E402
+
+from actors.context import ActorContext  # noqa: E402
+from bench_throughput import INPUT_LEN, NUM_PROMPTS, OUTPUT_LEN  # noqa: E402
+from models.default_model import default_model_dir  # noqa: E402
+from models.worker import LlamaWorker  # noqa: E402
+from scheduling.llm import DEFAULT_KV_CACHE_BYTES, default_max_num_batched_tokens  # noqa: E402
+from scheduling.request import Request  # noqa: E402
+from scheduling.sampling_params import SamplingParams  # noqa: E402
+from scheduling.scheduler import Scheduler  # noqa: E402
 
 PROFILED_STEPS = range(20, 40)
+# --parts leaves out the first decode steps (warm-up of caches and allocator).
+PARTS_FROM_STEP = 10
+
+
+class StepParts:
+    """Exclusive wall time per part of a model step, from timers wrapped around the model's functions.
+
+    A part's time excludes that of any timed part it calls (the LM head's projection
+    inside the greedy sampler counts as "lm_head", not "argmax"). `timing` switches the
+    timers on and off between steps; `patched` installs them for the duration of a block.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: collections.Counter = collections.Counter()
+        self.timing = False
+        self._stack: list[list[float]] = []  # per open timed call: [start, time of timed callees]
+
+    def _timed(self, part: Callable[[tuple], str], fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.timing:
+                return fn(*args, **kwargs)
+            frame = [time.perf_counter(), 0.0]
+            self._stack.append(frame)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._stack.pop()
+                spent = time.perf_counter() - frame[0]
+                self.seconds[part(args)] += spent - frame[1]
+                if self._stack:
+                    self._stack[-1][1] += spent
+
+        return timed
+
+    @contextlib.contextmanager
+    def patched(self, worker: LlamaWorker) -> Iterator["StepParts"]:
+        from torch import nn
+
+        from models import kv_cache, llama, prepack
+        from models import worker as worker_module
+
+        head = worker.stage.lm_head if worker.stage is not None else None
+
+        def linear(args: tuple) -> str:  # args[0]: the projection module
+            return "lm_head" if args[0] is head else "linears"
+
+        targets = [
+            (prepack.PackedLinear, "forward", linear),
+            (nn.Linear, "forward", linear),
+            (kv_cache.LayerKV, "decode_attention", "decode_attention"),
+            (kv_cache.LayerKV, "write", "kv_writes"),
+            (llama.RMSNorm, "forward", "rms_norm"),
+            (llama, "_rotate", "rotary"),
+            (llama, "rotary_cos_sin", "rotary"),
+            (llama, "row_argmax", "argmax"),
+            (worker_module, "prepare_step", "step_inputs"),
+            (LlamaWorker, "execute_model", "other"),
+        ]
+        saved = []
+        for owner, name, part in targets:
+            fn = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            saved.append((owner, name, fn))
+            setattr(owner, name, self._timed(part if callable(part) else (lambda _, p=part: p), fn))
+        try:
+            yield self
+        finally:
+            for owner, name, fn in saved:
+                setattr(owner, name, fn)
+
+    def per_step(self, steps: int) -> dict[str, float]:
+        """Mean milliseconds per step of each part, largest first."""
+        return {k: round(1e3 * v / steps, 3) for k, v in self.seconds.most_common()}
 
 
 def run(
     threads: int, cpus: list[int], dtype: str, kv_mirror_mb: int, profile: bool,
     prepack: bool = True, keep_memory: bool = True, decode_kernel: bool = True, top: int = 8,
-    max_num_seqs: int = 256,
+    max_num_seqs: int = 256, parts: bool = False, num_prompts: int = NUM_PROMPTS, output_len: int = OUTPUT_LEN,
 ) -> dict:
     import prompt_sets
 
@@ -51,28 +141,33 @@ def run(
     info = worker.load_model()
     # The engine's single-stage defaults (LLM's max_num_seqs and token budget).
     sched = Scheduler(max_num_seqs, default_max_num_batched_tokens(1), info["num_blocks"], info["block_size"], 2048)
-    params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
-    for i, spec in enumerate(prompt_sets.random_prompts(NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, worker.args.vocab_size, seed=0)):
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    for i, spec in enumerate(prompt_sets.random_prompts(num_prompts, INPUT_LEN, output_len, worker.args.vocab_size, seed=0)):
         sched.add_request(Request(str(i), list(spec.prompt_token_ids), params))
 
     prefill_s, decode_s = 0.0, []
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
+    timers = StepParts()
+    timed_steps = 0
     start = time.perf_counter()
-    while sched.has_unfinished():
-        batch = sched.schedule()
-        decode = all(len(c.token_ids) == 1 for c in batch.chunks)
-        if profiler is not None and decode and len(decode_s) == PROFILED_STEPS.start:
-            profiler.start()
-        t = time.perf_counter()
-        output = worker.execute_model(batch)
-        dt = time.perf_counter() - t
-        if profiler is not None and decode and len(decode_s) == PROFILED_STEPS.stop - 1:
-            profiler.stop()
-        if decode:
-            decode_s.append(dt)
-        else:
-            prefill_s += dt
-        sched.update(batch, output)
+    with timers.patched(worker) if parts else contextlib.nullcontext():
+        while sched.has_unfinished():
+            batch = sched.schedule()
+            decode = all(len(c.token_ids) == 1 for c in batch.chunks)
+            if profiler is not None and decode and len(decode_s) == PROFILED_STEPS.start:
+                profiler.start()
+            timers.timing = decode and len(decode_s) >= PARTS_FROM_STEP
+            timed_steps += timers.timing
+            t = time.perf_counter()
+            output = worker.execute_model(batch)
+            dt = time.perf_counter() - t
+            if profiler is not None and decode and len(decode_s) == PROFILED_STEPS.stop - 1:
+                profiler.stop()
+            if decode:
+                decode_s.append(dt)
+            else:
+                prefill_s += dt
+            sched.update(batch, output)
     total = time.perf_counter() - start
     worker.shutdown()
 
@@ -90,9 +185,12 @@ def run(
         "decode_steps": len(decode_s),
         "decode_ms_per_step": round(1e3 * statistics.median(decode_s), 1),
         "total_s": round(total, 3),
-        "output_tokens_per_s": round(NUM_PROMPTS * OUTPUT_LEN / total, 1),
+        "output_tokens_per_s": round(num_prompts * output_len / total, 1),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
+    if parts:
+        line["parts_ms_per_step"] = timers.per_step(timed_steps) if timed_steps else {}
+        line["parts_steps"] = timed_steps
     if profiler is not None:
         events = profiler.key_averages()
         whole = sum(e.self_cpu_time_total for e in events)
@@ -109,6 +207,8 @@ def main() -> None:
     parser.add_argument("--kv-mirror-mb", type=int, default=256, help="0: gather from the paged cache every step")
     parser.add_argument("--profile", action="store_true", help="op shares of decode steps 20-39")
     parser.add_argument("--top", type=int, default=8, help="with --profile, how many ops to list")
+    parser.add_argument("--parts", action="store_true",
+                        help="mean ms per decode step of each part (linears, LM head, decode attention, ...)")
     parser.add_argument("--no-prepack", action="store_true", help="plain F.linear weights (models/prepack.py off)")
     parser.add_argument("--no-decode-kernel", action="store_true", help="SDPA for decode attention (models/decode_attention.py off)")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per batch (so decode rows per step: at most 64 here)")
@@ -118,7 +218,7 @@ def main() -> None:
     line = run(
         args.threads, cpus, args.dtype, args.kv_mirror_mb, args.profile,
         prepack=not args.no_prepack, keep_memory=not args.release_memory, decode_kernel=not args.no_decode_kernel,
-        top=args.top, max_num_seqs=args.max_num_seqs,
+        top=args.top, max_num_seqs=args.max_num_seqs, parts=args.parts,
     )
     print(json.dumps(line), flush=True)
 
