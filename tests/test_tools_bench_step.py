@@ -6,6 +6,7 @@ import os
 import time
 
 import torch
+from torch import nn
 
 from models import kv_cache, llama, prepack
 from models import worker as worker_module
@@ -20,18 +21,19 @@ def test_a_part_counts_its_own_time_not_its_callees():
     def inner() -> None:
         time.sleep(0.05)
 
-    timed_inner = timers._timed(lambda _: "inner", inner)
+    timed_inner = timers._timed("inner", inner)
 
-    def outer() -> None:
+    def outer_named(name: str) -> None:
         time.sleep(0.02)
         timed_inner()
 
-    timed_outer = timers._timed(lambda _: "outer", outer)
-    timed_outer()  # timing is off: nothing is counted
+    # A part may also be named from the call's arguments, as the projections are.
+    timed_outer = timers._timed(lambda args: args[0], outer_named)
+    timed_outer("outer")  # timing is off: nothing is counted
     assert not timers.seconds
     timers.timing = True
-    timed_outer()
-    timed_outer()
+    timed_outer("outer")
+    timed_outer("outer")
     assert 0.1 <= timers.seconds["inner"] < 0.2
     # Without the 0.1 s of inner, which the inclusive time would hold.
     assert 0.04 <= timers.seconds["outer"] < 0.09
@@ -41,9 +43,11 @@ def test_a_part_counts_its_own_time_not_its_callees():
     }
 
 
-def test_parts_of_real_decode_steps_and_the_model_left_as_it_was():
-    originals = (
+def _timed_functions() -> tuple:
+    """The model's functions that --parts wraps, as they are now."""
+    return (
         prepack.PackedLinear.forward,
+        nn.Linear.forward,
         kv_cache.LayerKV.write,
         kv_cache.LayerKV.decode_attention,
         llama.RMSNorm.forward,
@@ -53,6 +57,10 @@ def test_parts_of_real_decode_steps_and_the_model_left_as_it_was():
         worker_module.prepare_step,
         worker_module.LlamaWorker.execute_model,
     )
+
+
+def test_parts_of_real_decode_steps_and_the_model_left_as_it_was():
+    originals = _timed_functions()
     cpus, threads = os.sched_getaffinity(0), torch.get_num_threads()
     try:
         # 4 prompts, 14 tokens each: the first comes from the prompt step, then 13 decode
@@ -73,14 +81,4 @@ def test_parts_of_real_decode_steps_and_the_model_left_as_it_was():
     # The decoder layers' 56 projections outweigh the head's one over 4 rows.
     assert parts["linears"] > parts["lm_head"]
     assert list(parts.values()) == sorted(parts.values(), reverse=True)
-    assert (
-        prepack.PackedLinear.forward,
-        kv_cache.LayerKV.write,
-        kv_cache.LayerKV.decode_attention,
-        llama.RMSNorm.forward,
-        llama._rotate,
-        llama.rotary_cos_sin,
-        llama.row_argmax,
-        worker_module.prepare_step,
-        worker_module.LlamaWorker.execute_model,
-    ) == originals
+    assert _timed_functions() == originals

@@ -65,7 +65,10 @@ class StepParts:
         self.timing = False
         self._stack: list[list[float]] = []  # per open timed call: [start, time of timed callees]
 
-    def _timed(self, part: Callable[[tuple], str], fn: Callable[..., Any]) -> Callable[..., Any]:
+    def _timed(self, part: str | Callable[[tuple], str], fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn` timed as `part`: a name, or a function of the call's arguments that gives one."""
+        name_of = part if callable(part) else (lambda _: part)
+
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
             if not self.timing:
@@ -77,7 +80,7 @@ class StepParts:
             finally:
                 self._stack.pop()
                 spent = time.perf_counter() - frame[0]
-                self.seconds[part(args)] += spent - frame[1]
+                self.seconds[name_of(args)] += spent - frame[1]
                 if self._stack:
                     self._stack[-1][1] += spent
 
@@ -109,9 +112,9 @@ class StepParts:
         ]
         saved = []
         for owner, name, part in targets:
-            fn = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            fn = getattr(owner, name)
             saved.append((owner, name, fn))
-            setattr(owner, name, self._timed(part if callable(part) else (lambda _, p=part: p), fn))
+            setattr(owner, name, self._timed(part, fn))
         try:
             yield self
         finally:
