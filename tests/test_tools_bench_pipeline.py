@@ -73,3 +73,30 @@ def test_pin_driver_pins_every_thread_of_the_process():
                 pass
         stop.set()
         helper.join()
+
+
+def test_compute_and_utilization_split_the_overlap_into_work_and_busy_time():
+    # One batch in flight: stage 0 computes 10 ms of each step after 0.1 ms of building
+    # inputs, stage 1 waits for it and then computes 12 ms; two steps in a 45 ms run.
+    one = [
+        {0: _s(0, 0.1, 10.1), 1: _s(22.5, 22.6, 32.6)},
+        {0: _s(0.05, 10.2, 22.2), 1: _s(22.55, 32.7, 44.7)},
+    ]
+    # Two in flight: four half-size steps of 6 and 7 ms (26 ms of work against 44 ms), 29 ms.
+    two = [
+        {0: _s(0, 0.1, 6.1), 1: _s(6.1, 6.2, 12.2), 2: _s(14.5, 14.6, 20.6), 3: _s(20.6, 20.7, 26.7)},
+        {0: _s(0.05, 6.2, 13.2), 1: _s(13.2, 13.3, 20.3), 2: _s(20.3, 20.7, 27.7), 3: _s(27.7, 27.8, 34.8)},
+    ]
+    compute_one = bench_pipeline._compute_seconds(one)
+    compute_two = bench_pipeline._compute_seconds(two)
+    # Waiting for hidden states and building inputs are left out.
+    assert compute_one == [pytest.approx(0.020), pytest.approx(0.024)]
+    assert compute_two == [pytest.approx(0.024), pytest.approx(0.028)]
+    run_one, run_two = 0.045, 0.035
+    util_one = bench_pipeline._utilization(compute_one, run_one)
+    util_two = bench_pipeline._utilization(compute_two, run_two)
+    assert util_one == pytest.approx(0.044 / 0.090)
+    assert util_two == pytest.approx(0.052 / 0.070)
+    # The speed ratio is the work ratio times the utilization ratio, whatever the runs.
+    work_ratio = sum(compute_one) / sum(compute_two)
+    assert run_one / run_two == pytest.approx(work_ratio * util_two / util_one)

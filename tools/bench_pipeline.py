@@ -8,12 +8,15 @@ one JSON line per run:
   {"bench": "pipeline", "max_inflight": 2, "output_tokens_per_s": ..., "run_s": ...,
    "phases": {"prefill": {"batches": 18, "stage_ms_per_batch": [134, 94], ...},
               "decode": {...}},
-   "stage_busy_s": [...], "stage_idle_s": [...], "driver_turnaround_ms": ...}
+   "stage_busy_s": [...], "stage_idle_s": [...], "stage_compute_s": [...],
+   "utilization": ..., "driver_turnaround_ms": ...}
 
 "prefill" batches carry at least one prompt chunk (with the pipeline's 512-token
 budget they also carry decode rows), "decode" batches one token per sequence. Per
 stage: `stage_ms_per_batch` is compute (waiting for the previous stage left out),
-`stage_idle_s` is time the stage was outside any step. `driver_turnaround_ms` is the
+`stage_idle_s` is time the stage was outside any step, `stage_compute_s` the run's sum
+of compute, and `utilization` the share of all ranks' time over the run spent computing.
+`driver_turnaround_ms` is the
 median time from a batch's result reaching the driver to its next submit. Per phase,
 the rest of a batch's round trip, medians: `dispatch_ms` (submit to the first stage's
 step start), `inputs_ms` (the first stage's step start to its inputs built by
@@ -31,7 +34,11 @@ tools/bench_throughput.py instead (once, with the engine's batches in flight); t
 the per-stage lists hold one entry per rank in global-rank order, e.g. TP2's two ranks
 of one stage. `--alternate ROUNDS` measures the overlap instead: one PP2 session whose
 runs alternate between two batches in flight and one (`Engine.set_max_inflight`), one
-line per run, then {"bench": "pipeline_overlap", "ratio_of_medians": ..., ...}.
+line per run (with its `work_s`, both stages' compute, and `utilization`), then
+{"bench": "pipeline_overlap", "ratio_of_medians": ..., ...}. Each pair's ratio splits
+exactly into `pair_work_ratios` (the one-batch run's work over the two-batch run's: below
+1 when two smaller batches cost more) times `pair_utilization_ratios` (the two-batch
+run's utilization over the one-batch run's: 2 for perfect overlap of two stages).
 `--pin-driver CPU` pins this process's threads (the engine's loop and the reply router)
 to one CPU once the gang is up: which core the driver's work lands on. Run it alone on
 the machine.
@@ -64,6 +71,26 @@ from bench_throughput import (  # noqa: E402
 
 def _median_ms(values: list[float]) -> float:
     return round(1e3 * statistics.median(values), 3)
+
+
+def _timelines(raw: list) -> list[dict]:
+    """Per rank in global-rank order, {batch id: (step start, inputs in, end)} from `get_step_trace`."""
+    return [{b: (s, r, e) for b, s, r, e in rank} for rank in raw]
+
+
+def _compute_seconds(stages: list[dict]) -> list[float]:
+    """Per rank, seconds of its steps from their inputs being in to their end.
+
+    As in `stage_ms_per_batch`, building the step's inputs and waiting for the previous
+    stage's hidden states are left out; a TP all-reduce's wait is not, it happens
+    inside the step.
+    """
+    return [sum(e - r for _, r, e in stage.values()) for stage in stages]
+
+
+def _utilization(compute: list[float], run_s: float) -> float:
+    """The share of the ranks' time, over the run, that they spent computing."""
+    return sum(compute) / (len(compute) * run_s)
 
 
 def _phase_stats(batches: list[int], stages: list[dict], tp: int, engine: dict[int, tuple[float, float]]) -> dict:
@@ -140,7 +167,7 @@ def run(config: str, max_inflight: Optional[int], dtype: str, engine_options: di
         batches = llm.engine.get_batch_trace()
         layer_split = list(llm.layer_split)
         budget = llm.scheduler.max_num_batched_tokens
-    stages = [{b: (s, r, e) for b, s, r, e in rank} for rank in raw]  # in global-rank order
+    stages = _timelines(raw)
     engine = {b: (submitted, seen) for b, submitted, seen, _, _ in batches}
     run_s = t1 - t0
     phases = {}
@@ -156,6 +183,7 @@ def run(config: str, max_inflight: Optional[int], dtype: str, engine_options: di
         if later < len(submits):
             turnaround.append(submits[later] - seen)
     busy = [sum(e - s for s, _, e in stage.values()) for stage in stages]
+    compute = _compute_seconds(stages)
     return {
         "bench": "pipeline",
         "config": config,
@@ -170,6 +198,8 @@ def run(config: str, max_inflight: Optional[int], dtype: str, engine_options: di
         "phases": phases,
         "stage_busy_s": [round(b, 3) for b in busy],
         "stage_idle_s": [round(run_s - b, 3) for b in busy],
+        "stage_compute_s": [round(c, 3) for c in compute],
+        "utilization": round(_utilization(compute, run_s), 3),
         "driver_turnaround_ms": round(1e3 * statistics.median(turnaround), 2) if turnaround else None,
         "pin_driver": pin_driver,
     }
@@ -186,6 +216,8 @@ def alternate(rounds: int, dtype: str, engine_options: dict, pin_driver: Optiona
 
     lines = []
     speeds: dict[int, list[float]] = {2: [], 1: []}
+    work: dict[int, list[float]] = {2: [], 1: []}  # seconds both stages computed, per run
+    utilization: dict[int, list[float]] = {2: [], 1: []}  # per run
     with LLM(model=None, dtype=dtype, **{**CONFIGS["pp2"], **engine_options}) as llm:
         _pin_driver(pin_driver)
         specs = _workload(llm.args.vocab_size)
@@ -195,14 +227,32 @@ def alternate(rounds: int, dtype: str, engine_options: dict, pin_driver: Optiona
         for r in range(rounds):
             for inflight in (2, 1) if r % 2 == 0 else (1, 2):
                 llm.engine.set_max_inflight(inflight)
+                llm.supervisor.collective_rpc("get_step_trace", kwargs={"clear": True})
                 start = time.perf_counter()
                 llm.generate(prompts, params)
-                speed = NUM_PROMPTS * OUTPUT_LEN / (time.perf_counter() - start)
+                run_s = time.perf_counter() - start
+                raw = llm.supervisor.collective_rpc("get_step_trace")
+                compute = _compute_seconds(_timelines(raw))
+                speed = NUM_PROMPTS * OUTPUT_LEN / run_s
                 speeds[inflight].append(speed)
-                line = {"bench": "pipeline_run", "round": r, "max_inflight": inflight, "output_tokens_per_s": round(speed, 1)}
+                work[inflight].append(sum(compute))
+                utilization[inflight].append(_utilization(compute, run_s))
+                line = {
+                    "bench": "pipeline_run",
+                    "round": r,
+                    "max_inflight": inflight,
+                    "output_tokens_per_s": round(speed, 1),
+                    "work_s": round(sum(compute), 3),
+                    "utilization": round(utilization[inflight][-1], 3),
+                }
                 print(json.dumps(line), flush=True)
                 lines.append(line)
     pairs = [a / b for a, b in zip(speeds[2], speeds[1])]
+    # Each pair's ratio is exactly (work with one in flight / work with two) x (utilization
+    # with two / utilization with one): what two batches cost in extra work, and how
+    # much of the stages' time they keep busy.
+    work_pairs = [one / two for two, one in zip(work[2], work[1])]
+    busy_pairs = [two / one for two, one in zip(utilization[2], utilization[1])]
     summary = {
         "bench": "pipeline_overlap",
         "config": "pp2",
@@ -214,6 +264,9 @@ def alternate(rounds: int, dtype: str, engine_options: dict, pin_driver: Optiona
         "ratio_of_medians": round(statistics.median(speeds[2]) / statistics.median(speeds[1]), 3),
         "pair_ratios": [round(p, 3) for p in pairs],
         "median_pair_ratio": round(statistics.median(pairs), 3),
+        "pair_work_ratios": [round(p, 3) for p in work_pairs],
+        "pair_utilization_ratios": [round(p, 3) for p in busy_pairs],
+        "utilization_medians": {str(k): round(statistics.median(v), 3) for k, v in utilization.items()},
     }
     print(json.dumps(summary), flush=True)
     return lines + [summary]
