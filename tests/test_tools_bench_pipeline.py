@@ -100,3 +100,15 @@ def test_compute_and_utilization_split_the_overlap_into_work_and_busy_time():
     # The speed ratio is the work ratio times the utilization ratio, whatever the runs.
     work_ratio = sum(compute_one) / sum(compute_two)
     assert run_one / run_two == pytest.approx(work_ratio * util_two / util_one)
+    # --alternate's summary of that pair: two smaller batches cost more work (ratio below
+    # 1) and keep the stages busier (ratio above 1); their product is the speed ratio.
+    out = bench_pipeline._overlap(
+        {2: [1 / run_two], 1: [1 / run_one]},
+        {2: [sum(compute_two)], 1: [sum(compute_one)]},
+        {2: [util_two], 1: [util_one]},
+    )
+    assert out["pair_ratios"] == [round(run_one / run_two, 3)]
+    assert out["pair_work_ratios"] == [round(0.044 / 0.052, 3)]
+    assert out["pair_utilization_ratios"] == [round(util_two / util_one, 3)]
+    assert out["pair_ratios"][0] == pytest.approx(out["pair_work_ratios"][0] * out["pair_utilization_ratios"][0], abs=2e-3)
+    assert out["utilization_medians"] == {"2": round(util_two, 3), "1": round(util_one, 3)}

@@ -205,6 +205,26 @@ def run(config: str, max_inflight: Optional[int], dtype: str, engine_options: di
     }
 
 
+def _overlap(speeds: dict[int, list[float]], work: dict[int, list[float]], utilization: dict[int, list[float]]) -> dict:
+    """The overlap figures of `alternate`'s runs, each dict keyed by batches in flight (2, 1), runs in pair order.
+
+    Each pair's speed ratio is exactly its work ratio (work with one in flight over work
+    with two: what two smaller batches cost extra) times its utilization ratio (with two
+    over with one: how much more of the stages' time two batches keep busy).
+    """
+    pairs = [two / one for two, one in zip(speeds[2], speeds[1])]
+    return {
+        "inflight2_median": round(statistics.median(speeds[2]), 1),
+        "inflight1_median": round(statistics.median(speeds[1]), 1),
+        "ratio_of_medians": round(statistics.median(speeds[2]) / statistics.median(speeds[1]), 3),
+        "pair_ratios": [round(p, 3) for p in pairs],
+        "median_pair_ratio": round(statistics.median(pairs), 3),
+        "pair_work_ratios": [round(one / two, 3) for two, one in zip(work[2], work[1])],
+        "pair_utilization_ratios": [round(two / one, 3) for two, one in zip(utilization[2], utilization[1])],
+        "utilization_medians": {str(k): round(statistics.median(v), 3) for k, v in utilization.items()},
+    }
+
+
 def alternate(rounds: int, dtype: str, engine_options: dict, pin_driver: Optional[int] = None) -> list[dict]:
     """PP2's overlap measured in one session: runs alternate between two batches in flight and one.
 
@@ -247,26 +267,13 @@ def alternate(rounds: int, dtype: str, engine_options: dict, pin_driver: Optiona
                 }
                 print(json.dumps(line), flush=True)
                 lines.append(line)
-    pairs = [a / b for a, b in zip(speeds[2], speeds[1])]
-    # Each pair's ratio is exactly (work with one in flight / work with two) x (utilization
-    # with two / utilization with one): what two batches cost in extra work, and how
-    # much of the stages' time they keep busy.
-    work_pairs = [one / two for two, one in zip(work[2], work[1])]
-    busy_pairs = [two / one for two, one in zip(utilization[2], utilization[1])]
     summary = {
         "bench": "pipeline_overlap",
         "config": "pp2",
         "dtype": dtype,
         "rounds": rounds,
         "pin_driver": pin_driver,
-        "inflight2_median": round(statistics.median(speeds[2]), 1),
-        "inflight1_median": round(statistics.median(speeds[1]), 1),
-        "ratio_of_medians": round(statistics.median(speeds[2]) / statistics.median(speeds[1]), 3),
-        "pair_ratios": [round(p, 3) for p in pairs],
-        "median_pair_ratio": round(statistics.median(pairs), 3),
-        "pair_work_ratios": [round(p, 3) for p in work_pairs],
-        "pair_utilization_ratios": [round(p, 3) for p in busy_pairs],
-        "utilization_medians": {str(k): round(statistics.median(v), 3) for k, v in utilization.items()},
+        **_overlap(speeds, work, utilization),
     }
     print(json.dumps(summary), flush=True)
     return lines + [summary]
