@@ -13,8 +13,10 @@ workload's decode step (float32, 64 sequences, 176 positions; `tools/bench_atten
 Inputs are the mirror's own buffers ([rows, kv_heads, len_cap, head_dim], each
 (row, head) a contiguous run) with each sequence's row and key count, so there is
 no padding to scatter queries into and no mask. bfloat16 keys and values are
-widened to float32 a row at a time; the scores, softmax and sums are float32 in
-either dtype, as SDPA's CPU kernel computes them.
+widened to float32 as they are read; the scores, softmax and sums are float32 in
+either dtype, as SDPA's CPU kernel computes them. Those buffers are not in cache
+when a step reaches them, so each task asks for the next task's rows while it
+computes (models/decode_attention_kernels.py).
 
 A rank with one torch thread runs every task on its own thread; one with more splits
 them over numba's pool, as many ways as it has torch threads. One-thread ranks never
@@ -61,38 +63,37 @@ def _check(run: Callable[[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor,
 
 
 @functools.lru_cache(maxsize=1)
-def _kernels() -> Optional[dict[torch.dtype, _Kernel]]:
-    """The one-thread kernels by dtype; None where numba is missing or they fail their check."""
+def _kernel() -> Optional[_Kernel]:
+    """The one-thread kernel (both dtypes); None where numba is missing or it fails its check."""
     return load_checked(
         "models.decode_attention_kernels",
-        lambda kern: {torch.float32: kern.attend_float32, torch.bfloat16: kern.attend_bfloat16},
-        lambda kernels: _check(lambda dtype, *a: _run(kernels[dtype], 1, *a, 0.3)),
+        lambda kern: kern.attend,
+        lambda kernel: _check(lambda dtype, *a: _run(kernel, 1, *a, 0.3)),
         "decode attention kernel",
         "decode attention uses SDPA",
     )
 
 
 @functools.lru_cache(maxsize=1)
-def _parallel_kernels() -> Optional[dict[torch.dtype, _Kernel]]:
-    """The thread-pool kernels by dtype, built on the first call from a rank with several threads.
+def _parallel_kernel() -> Optional[_Kernel]:
+    """The thread-pool kernel, built on the first call from a rank with several threads.
 
-    None where they cannot run (the one-thread kernels serve then). A rank with one
-    thread never builds them, so it never starts numba's pool.
+    None where it cannot run (the one-thread kernel serves then). A rank with one
+    thread never builds it, so it never starts numba's pool.
     """
     from models import decode_attention_kernels as kern
 
-    kernels = {torch.float32: kern.attend_float32_parallel, torch.bfloat16: kern.attend_bfloat16_parallel}
     try:
-        _check(lambda dtype, *a: _run(kernels[dtype], 2, *a, 0.3))
+        _check(lambda dtype, *a: _run(kern.attend_parallel, 2, *a, 0.3))
     except Exception as exc:  # noqa: BLE001 - fall back to one thread
         logger.warning("parallel decode attention kernel unavailable (%s): attending on one thread", exc)
         return None
-    return kernels
+    return kern.attend_parallel
 
 
 def available() -> bool:
     """Whether the kernel can run here (imports numba and compiles on the first call)."""
-    return _kernels() is not None
+    return _kernel() is not None
 
 
 def prepare(threads: Optional[int] = None) -> bool:
@@ -107,7 +108,7 @@ def prepare(threads: Optional[int] = None) -> bool:
 
     threads = torch.get_num_threads() if threads is None else threads
     if min(threads, numba.config.NUMBA_NUM_THREADS) > 1:
-        _parallel_kernels()
+        _parallel_kernel()
     return True
 
 
@@ -132,7 +133,7 @@ def _run(
 
     out = torch.empty(q.shape, dtype=torch.float32)
     as_np: Callable[[torch.Tensor], Any] = (
-        (lambda t: t.view(torch.int16).numpy().view(np.uint16)) if k_buf.dtype == torch.bfloat16 else (lambda t: t.numpy())
+        (lambda t: t.view(torch.int16).numpy()) if k_buf.dtype == torch.bfloat16 else (lambda t: t.numpy())
     )
     args = (q.float().contiguous().numpy(), as_np(k_buf), as_np(v_buf), rows.numpy(), counts.numpy(), np.float32(scale), out.numpy())
     if parts == 1:
@@ -187,6 +188,7 @@ def mirror_decode_attention(
 
     # The rank's torch thread count is its share of cores; the kernel uses as many.
     parts = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
-    pool = _parallel_kernels() if parts > 1 else None
-    kernel = pool[k_buf.dtype] if pool is not None else _kernels()[k_buf.dtype]  # type: ignore[index]
+    pool = _parallel_kernel() if parts > 1 else None
+    kernel = pool if pool is not None else _kernel()
+    assert kernel is not None  # supports() built it
     return _run(kernel, parts if pool is not None else 1, q, k_buf, v_buf, rows, counts, scale).to(q.dtype)

@@ -3,16 +3,22 @@
 Module-level functions so that numba can cache their machine code between runs
 (`cache=True`: next to this file, or in numba's user cache where that is read-only).
 
-`attend_<dtype>` runs the tasks [lo, hi) (task = sequence * kv_heads + kv head) on the
-calling thread, with no thread pool at all; `attend_<dtype>_parallel` splits all tasks
-into `parts` contiguous ranges over numba's pool. A rank with one thread uses the first:
+`attend` runs the tasks [lo, hi) (task = sequence * kv_heads + kv head) on the
+calling thread, with no thread pool at all; `attend_parallel` splits all tasks into
+`parts` contiguous ranges over numba's pool. A rank with one thread uses the first:
 starting numba's OpenMP pool in it would share (and resize) torch's own OpenMP runtime.
+Both compile once per dtype of the keys and values (float32, or bfloat16 as int16 bits).
 """
 
 from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from models.norm_rope_kernels import widen
 
 # Reassociation lets LLVM vectorise the dot products and sums; no "nnan"/"ninf", so a
 # NaN or inf in the inputs is carried through rather than being undefined behaviour.
@@ -74,128 +80,136 @@ def softmax_rows(s, n, scale_bits):  # noqa: ANN001 - typed by numba
 
 # Each key (value) row is used by the G query heads of its kv head. With G == 2 (the
 # default model's, and common GQA) both heads go through the row in one loop, two
-# multiply-adds per element loaded, with the accumulators in registers (1.39 -> 1.21 ms
-# a 64-row bf16 layer, one core); other G take the row one head at a time. The branch is
-# written out in each kernel: through a helper, numba builds views per key and loses it.
+# multiply-adds per element loaded, with the accumulators in registers; other G take the
+# row one head at a time. The branch is taken once per task, outside the loops over
+# keys: inside them it kept LLVM from vectorising as well (about 10% of the kernel).
+#
+# A step reaches each layer's keys and values after the rest of the model has been
+# through the cache (a 64-row layer's are 11.5 MB in bf16), and one task's rows are too
+# short a run for the hardware prefetcher to get ahead. So while a task computes, it
+# asks for the next task's rows, one row per row of its own; and a pass over the value
+# accumulators weighs two value rows. One core, bf16, `tools/bench_attention.py`: 1.32-1.44
+# -> 1.05 ms a layer, against 0.89-0.94 to only copy the keys and values out; a 64-row
+# decode step of the default model 46.6 -> 42.5 ms (`tools/bench_step.py --parts`).
+
+
+@intrinsic
+def _prefetch(typingctx, buf, offset):  # noqa: ANN001, ANN202 - typed by numba
+    """A hint that the byte at `offset` of buf's data (a C-contiguous array) is read soon: llvm.prefetch."""
+    if not (isinstance(buf, types.Array) and buf.layout == "C" and isinstance(offset, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        byte_ptr = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = builder.module.declare_intrinsic(
+            "llvm.prefetch", [byte_ptr], ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32])
+        )
+        # A read (0), kept in every cache level (3), of data (1).
+        builder.call(fn, [builder.gep(builder.bitcast(data, byte_ptr), [args[1]]), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(buf, offset), codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def _prefetch_run(buf, start, count):  # noqa: ANN001 - typed by numba
+    """Hints the cache lines of buf.flat[start:start + count] in."""
+    size = buf.itemsize
+    for b in range(start * size, (start + count) * size, 64):
+        _prefetch(buf, b)
 
 
 @numba.njit(fastmath=FASTMATH, nogil=True, cache=True)
-def attend_float32(q, kbuf, vbuf, rows, counts, scale, out, lo, hi):  # noqa: ANN001 - typed by numba
+def attend(q, kbuf, vbuf, rows, counts, scale, out, lo, hi):  # noqa: ANN001 - typed by numba
     """Tasks [lo, hi): out[i, h] = softmax(q[i, h] k^T * scale) v over keys [0, counts[i]) of row rows[i], head h.
 
-    q/out [B, H, G, D] float32; kbuf/vbuf [R, H, cap, D] float32. Each key row is read
-    once for all G query heads that share it, and so is each value row.
+    q/out [B, H, G, D] float32; kbuf/vbuf [R, H, cap, D], C-contiguous, float32 or
+    bfloat16 bits as int16 (widened as they are read). Each key row is read once for
+    all G query heads that share it, and so is each value row.
     """
     heads, groups, dim = q.shape[1], q.shape[2], q.shape[3]
-    s = np.empty((groups, kbuf.shape[2]), np.float32)  # scores, then probabilities
-    bits = np.empty(kbuf.shape[2], np.int32)
+    cap = kbuf.shape[2]
+    s = np.empty((groups, cap), np.float32)  # scores, then probabilities
+    bits = np.empty(cap, np.int32)
     acc = np.empty((groups, dim), np.float32)
     acc0, acc1 = acc[0], acc[groups - 1]
+    s0, s1 = s[0], s[groups - 1]
     for task in range(lo, hi):
         i = task // heads
         h = task - i * heads
         n = counts[i]
         k, v, qh = kbuf[rows[i], h], vbuf[rows[i], h], q[i, h]
         q0, q1 = qh[0], qh[groups - 1]
-        for t in range(n):
-            row = k[t]
-            if groups == 2:
+        # The next task's keys and values start at flat index `ahead` of kbuf and vbuf.
+        ahead, ahead_n = 0, 0
+        if task + 1 < hi:
+            j = (task + 1) // heads
+            ahead = (rows[j] * heads + task + 1 - j * heads) * cap * dim
+            ahead_n = counts[j]
+        if groups == 2:
+            for t in range(n):
+                if t < ahead_n:
+                    _prefetch_run(kbuf, ahead + t * dim, dim)
+                row = k[t]
                 a0 = np.float32(0.0)
                 a1 = np.float32(0.0)
                 for d in range(dim):
-                    x = row[d]
+                    x = widen(row[d])
                     a0 += q0[d] * x
                     a1 += q1[d] * x
-                s[0, t] = a0 * scale
-                s[1, t] = a1 * scale
-            else:
+                s0[t] = a0 * scale
+                s1[t] = a1 * scale
+        else:
+            for t in range(n):
+                if t < ahead_n:
+                    _prefetch_run(kbuf, ahead + t * dim, dim)
+                row = k[t]
                 for g in range(groups):
                     a = np.float32(0.0)
                     for d in range(dim):
-                        a += qh[g, d] * row[d]
+                        a += qh[g, d] * widen(row[d])
                     s[g, t] = a * scale
         softmax_rows(s, n, bits)
         acc[:] = 0.0
-        for t in range(n):
-            row = v[t]
-            if groups == 2:
-                p0, p1 = s[0, t], s[1, t]
+        if groups == 2:
+            t = 0
+            while t + 1 < n:
+                if t < ahead_n:
+                    _prefetch_run(vbuf, ahead + t * dim, min(2, ahead_n - t) * dim)
+                row = v[t]
+                row2 = v[t + 1]
+                p0, p1 = s0[t], s1[t]
+                r0, r1 = s0[t + 1], s1[t + 1]
                 for d in range(dim):
-                    x = row[d]
+                    x = widen(row[d])
+                    y = widen(row2[d])
+                    acc0[d] += p0 * x + r0 * y
+                    acc1[d] += p1 * x + r1 * y
+                t += 2
+            if t < n:
+                row = v[t]
+                p0, p1 = s0[t], s1[t]
+                for d in range(dim):
+                    x = widen(row[d])
                     acc0[d] += p0 * x
                     acc1[d] += p1 * x
-            else:
+        else:
+            for t in range(n):
+                if t < ahead_n:
+                    _prefetch_run(vbuf, ahead + t * dim, dim)
+                row = v[t]
                 for g in range(groups):
                     p = s[g, t]
                     for d in range(dim):
-                        acc[g, d] += p * row[d]
-        out[i, h] = acc
-
-
-@numba.njit(fastmath=FASTMATH, nogil=True, cache=True)
-def attend_bfloat16(q, kbuf, vbuf, rows, counts, scale, out, lo, hi):  # noqa: ANN001 - typed by numba
-    """As attend_float32, with kbuf/vbuf holding bfloat16 bits as uint16, widened one key (value) row at a time."""
-    heads, groups, dim = q.shape[1], q.shape[2], q.shape[3]
-    s = np.empty((groups, kbuf.shape[2]), np.float32)
-    bits = np.empty(kbuf.shape[2], np.int32)
-    acc = np.empty((groups, dim), np.float32)
-    acc0, acc1 = acc[0], acc[groups - 1]
-    wide = np.empty(dim, np.uint32)  # a bfloat16 is the top half of the float32 with the same value
-    row = wide.view(np.float32)
-    for task in range(lo, hi):
-        i = task // heads
-        h = task - i * heads
-        n = counts[i]
-        k16, v16, qh = kbuf[rows[i], h], vbuf[rows[i], h], q[i, h]
-        q0, q1 = qh[0], qh[groups - 1]
-        for t in range(n):
-            for d in range(dim):
-                wide[d] = np.uint32(k16[t, d]) << 16
-            if groups == 2:
-                a0 = np.float32(0.0)
-                a1 = np.float32(0.0)
-                for d in range(dim):
-                    x = row[d]
-                    a0 += q0[d] * x
-                    a1 += q1[d] * x
-                s[0, t] = a0 * scale
-                s[1, t] = a1 * scale
-            else:
-                for g in range(groups):
-                    a = np.float32(0.0)
-                    for d in range(dim):
-                        a += qh[g, d] * row[d]
-                    s[g, t] = a * scale
-        softmax_rows(s, n, bits)
-        acc[:] = 0.0
-        for t in range(n):
-            for d in range(dim):
-                wide[d] = np.uint32(v16[t, d]) << 16
-            if groups == 2:
-                p0, p1 = s[0, t], s[1, t]
-                for d in range(dim):
-                    x = row[d]
-                    acc0[d] += p0 * x
-                    acc1[d] += p1 * x
-            else:
-                for g in range(groups):
-                    p = s[g, t]
-                    for d in range(dim):
-                        acc[g, d] += p * row[d]
+                        acc[g, d] += p * widen(row[d])
         out[i, h] = acc
 
 
 @numba.njit(fastmath=FASTMATH, nogil=True, parallel=True, cache=True)
-def attend_float32_parallel(q, kbuf, vbuf, rows, counts, scale, out, parts):  # noqa: ANN001 - typed by numba
+def attend_parallel(q, kbuf, vbuf, rows, counts, scale, out, parts):  # noqa: ANN001 - typed by numba
     """Every task, in `parts` contiguous ranges run by numba's thread pool."""
     tasks = q.shape[0] * q.shape[1]
     for p in numba.prange(parts):
-        attend_float32(q, kbuf, vbuf, rows, counts, scale, out, tasks * p // parts, tasks * (p + 1) // parts)
-
-
-@numba.njit(fastmath=FASTMATH, nogil=True, parallel=True, cache=True)
-def attend_bfloat16_parallel(q, kbuf, vbuf, rows, counts, scale, out, parts):  # noqa: ANN001 - typed by numba
-    """As attend_float32_parallel, over bfloat16 keys and values."""
-    tasks = q.shape[0] * q.shape[1]
-    for p in numba.prange(parts):
-        attend_bfloat16(q, kbuf, vbuf, rows, counts, scale, out, tasks * p // parts, tasks * (p + 1) // parts)
+        attend(q, kbuf, vbuf, rows, counts, scale, out, tasks * p // parts, tasks * (p + 1) // parts)

@@ -25,7 +25,7 @@ _QUIET_NAN = np.int32(0x7FC00000)
 _HIGH_HALF = np.int32(-65536)  # 0xFFFF0000
 
 
-def _load(value):  # noqa: ANN001, ANN202 - typed by the overload below
+def widen(value):  # noqa: ANN001, ANN202 - typed by the overload below
     """A stored value (float32, or bfloat16 bits as int16) as float32."""
 
 
@@ -41,8 +41,8 @@ def _bits(like) -> bool:  # noqa: ANN001
     return isinstance(like.dtype, types.Integer)
 
 
-@overload(_load)
-def _load_impl(value):  # noqa: ANN001, ANN202
+@overload(widen)
+def _widen_impl(value):  # noqa: ANN001, ANN202
     if isinstance(value, types.Integer):
         return lambda value: np.int32(np.int32(value) << 16).view(np.float32)
     return lambda value: value
@@ -73,7 +73,7 @@ def _store_impl(x, like):  # noqa: ANN001, ANN202
 def _sum_squares(row):  # noqa: ANN001 - typed by numba
     s = np.float32(0.0)
     for j in range(row.shape[0]):
-        v = _load(row[j])
+        v = widen(row[j])
         s += v * v
     return s
 
@@ -87,7 +87,7 @@ def rms_norm(x, weight, out, eps):  # noqa: ANN001 - typed by numba
         row, o = x[t], out[t]
         scale = np.float32(1.0) / np.sqrt(_sum_squares(row) / fd + e)
         for j in range(d):
-            o[j] = _store(_round(_round(_load(row[j]) * scale, x) * _load(weight[j]), x), x)
+            o[j] = _store(_round(_round(widen(row[j]) * scale, x) * widen(weight[j]), x), x)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -103,7 +103,7 @@ def rotary(x, cos, sin):  # noqa: ANN001 - typed by numba
         for h in range(heads):
             row = x[t, h]
             for j in range(half):
-                a, b = _load(row[j]), _load(row[j + half])
-                lo = _round(a * _load(c[j]), x) + _round(-b * _load(s[j]), x)
-                hi = _round(b * _load(c[j + half]), x) + _round(a * _load(s[j + half]), x)
+                a, b = widen(row[j]), widen(row[j + half])
+                lo = _round(a * widen(c[j]), x) + _round(-b * widen(s[j]), x)
+                hi = _round(b * widen(c[j + half]), x) + _round(a * widen(s[j + half]), x)
                 row[j], row[j + half] = _store(_round(lo, x), x), _store(_round(hi, x), x)

@@ -106,7 +106,7 @@ _THREADS_SCRIPT = textwrap.dedent(
     import numba
 
     pool_expected = threads > 1 and numba.config.NUMBA_NUM_THREADS > 1
-    print(torch.get_num_threads(), decode_attention._parallel_kernels.cache_info().currsize, int(pool_expected))
+    print(torch.get_num_threads(), decode_attention._parallel_kernel.cache_info().currsize, int(pool_expected))
     """
 )
 
@@ -187,7 +187,7 @@ def test_attention_layer_gives_the_same_output_with_and_without_the_kernel(monke
     assert not calls
     torch.testing.assert_close(with_kernel, without, rtol=1e-5, atol=1e-6)
     # Where numba cannot be used the same layer falls back to SDPA.
-    monkeypatch.setattr(decode_attention, "_kernels", lambda: None)
+    monkeypatch.setattr(decode_attention, "_kernel", lambda: None)
     fallback = _decode_layer(True)
     assert not calls
     torch.testing.assert_close(fallback, without, rtol=1e-5, atol=1e-6)
