@@ -18,7 +18,7 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
@@ -287,28 +287,38 @@ PROMPT_KV_SHARE = 0.10
 
 
 class BoundaryMove(enum.IntEnum):
-    """How much of the last pipeline boundary's layer a step runs on the last stage (see `LlamaStage`).
+    """How much of the last pipeline boundary's layers a step runs on the other side (see `LlamaStage`).
 
-    NONE: all of it on its own stage. MLP: its MLP half. LAYER: everything but its keys
-    and values (the layer's attention too; the last stage keeps its own copy of the
-    layer's KV cache for that, written from the keys and values sent every step).
+    NONE: every layer on its own stage. MLP: the last stage runs the MLP half of the
+    layer before its own. LAYER: everything of that layer but its keys and values (the
+    last stage keeps its own copy of the layer's KV cache for that, written from the keys
+    and values sent every step). BACK: the other way, the stage before the last runs the
+    attention half of the last stage's first layer, from its own copy of that layer's KV
+    cache (the keys and values go forward with the hidden states; a step that runs the
+    layer on the last stage sends them back).
     """
 
+    BACK = -1
     NONE = 0
     MLP = 1
     LAYER = 2
 
 
-def boundary_move(layout: "Layout", num_tokens: int, num_decode_rows: int, num_sampled: int) -> BoundaryMove:
-    """How much of the last boundary's layer a step moves to the last stage.
+def boundary_move(
+    layout: "Layout", num_tokens: int, num_decode_rows: int, num_sampled: int, allow_back: bool = True
+) -> BoundaryMove:
+    """How much of the last boundary's layers a step moves across it.
 
     A split balanced for decode leaves the last stage idle for part of a prompt-heavy
-    step, whose LM head work is small. Of the moves the layout allows, the one with the
-    lowest estimated cost of the busier of the two stages wins (the cost model of
-    `split_layers`), ties going to the smaller move. Every rank of both stages decides
-    alike from the step's shape.
+    step, whose LM head work is small; a split balanced for prompts leaves the last stage
+    the busier on decode steps, whose head work is large. Of the moves the layout allows
+    (`allow_back=False` rules out BACK), the one with the lowest estimated cost of the
+    busier of the two stages wins (the cost model of `split_layers`), ties going to the
+    smaller move. Every rank of both stages decides alike from the step's shape.
     """
-    if not layout.move_boundary_mlp or layout.pp_size < 2:
+    moves_forward = layout.move_boundary_mlp and layout.pp_size >= 2
+    moves_back = allow_back and layout.moves_back
+    if not (moves_forward or moves_back):
         return BoundaryMove.NONE
     stages = layout.stage_layers
     prompt = num_tokens - num_decode_rows
@@ -318,10 +328,14 @@ def boundary_move(layout: "Layout", num_tokens: int, num_decode_rows: int, num_s
     head = num_sampled * layout.head_layers_per_row
     giver = len(stages[-2]) * per_layer
     taker = len(stages[-1]) * per_layer + head
-    moved = {BoundaryMove.NONE: 0.0, BoundaryMove.MLP: mlp}
-    if layout.moves_attention:
-        moved[BoundaryMove.LAYER] = per_layer - kv
-    return min(moved, key=lambda m: (max(giver - moved[m], taker + moved[m]), m))
+    moved = {BoundaryMove.NONE: 0.0}
+    if moves_forward:
+        moved[BoundaryMove.MLP] = mlp
+        if layout.moves_attention:
+            moved[BoundaryMove.LAYER] = per_layer - kv
+    if moves_back:
+        moved[BoundaryMove.BACK] = mlp - per_layer  # the attention half, the other way
+    return min(moved, key=lambda m: (max(giver - moved[m], taker + moved[m]), abs(m), m))
 
 
 def split_layers(
@@ -392,6 +406,9 @@ class Layout:
     # With move_boundary_mlp: it holds that whole layer and a copy of its KV cache, so
     # steps can move its attention too.
     move_boundary_attention: bool = False
+    # The stage before the last also holds the attention half of the last stage's first
+    # layer and a copy of its KV cache, so decode-heavy steps can run it there (BACK).
+    move_boundary_back: bool = False
 
     @property
     def rank_label(self) -> str:
@@ -448,11 +465,47 @@ class Layout:
         """Whether this stage's last layer may run on the next stage, all but its keys and values."""
         return self.lends_mlp and self.moves_attention
 
+    @functools.cached_property
+    def moves_back(self) -> bool:
+        """Whether the last stage's first attention half may run on the stage before: asked for, and of use.
+
+        The stage before the last then keeps that layer's keys and values too, which costs
+        KV blocks (the cache is sized by the stage that keeps the most layers), so the copy
+        is kept only where the cost model would use it on a decode step.
+        """
+        if not (self.move_boundary_back and self.pp_size >= 2):
+            return False
+        stages = self.stage_layers
+        giver, taker = len(stages[-2]), len(stages[-1]) + self.head_layers_per_row
+        back = 1.0 - DECODE_MLP_SHARE  # a decode row's attention half, in layers
+        return max(giver + back, taker - back) < taker
+
+    @property
+    def borrowed_next(self) -> Optional[int]:
+        """On the stage before the last: the last stage's first layer, whose attention half it holds too; else None."""
+        if not self.moves_back or self.pp != self.pp_size - 2:
+            return None
+        return self.stage_layers[-1].start
+
+    @property
+    def lends_back(self) -> bool:
+        """Whether this (last) stage's first attention half may run on the stage before."""
+        return self.moves_back and self.is_last_stage
+
     @property
     def cache_layers(self) -> list[int]:
         """The layers whose keys and values this rank keeps: its own, then a borrowed one."""
         own = list(self.layers)
-        return own + [self.layers.start - 1] if self.borrows_attention else own
+        if self.borrows_attention:
+            own.append(self.layers.start - 1)
+        if self.borrowed_next is not None:
+            own.append(self.borrowed_next)
+        return own
+
+    @property
+    def most_cache_layers(self) -> int:
+        """The most layers any stage keeps keys and values for (what sizes every rank's KV blocks)."""
+        return max(len(replace(self, pp=s).cache_layers) for s in range(self.pp_size))
 
     @property
     def is_first_stage(self) -> bool:

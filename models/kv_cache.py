@@ -84,6 +84,33 @@ class LayerKV:
         if plan is not None and self.mirror is not None:
             self.mirror.update_layer(plan, self.index, self.k, self.v, decode.take(k), decode.take(v))
 
+    def refill_mirror(self, decode: Optional["DecodeGroup"]) -> None:
+        """Brings the decode group's refilled mirror rows of this layer up to date, for a step
+        that does not compute the layer here (its new keys come later, `write_back`)."""
+        plan = decode.mirror if decode is not None else None
+        if plan is not None and self.mirror is not None:
+            self.mirror.refill_layer(plan, self.index, self.k, self.v)
+
+    def write_back(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+        decode_rows: Optional[torch.Tensor] = None,
+        seq_ids: Sequence[int] = (),
+        positions: Sequence[int] = (),
+    ) -> None:
+        """Stores k, v [T, kv_heads, head_dim] of an earlier step at flat slots [T], computed by another stage.
+
+        `decode_rows` (indices into T) are that step's one-token chunks, of sequences
+        `seq_ids` at `positions`: the mirror rows that already claim them get them too
+        (`KVMirror.write_late`).
+        """
+        self.k.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+        self.v.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+        if self.mirror is not None and decode_rows is not None and len(seq_ids):
+            self.mirror.write_late(self.index, seq_ids, positions, k.index_select(0, decode_rows), v.index_select(0, decode_rows))
+
     def gather(self, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, nb * block_size, kv_heads, head_dim] of block tables [B, nb].
 

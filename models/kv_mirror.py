@@ -248,14 +248,45 @@ class KVMirror:
         (already holding this step's tokens); k, v [B, kv_heads, head_dim]: the decode
         group's new keys and values, in batch order.
         """
+        self.refill_layer(plan, layer, paged_k, paged_v)
+        buf_k, buf_v = plan.entry.kv[layer, 0], plan.entry.kv[layer, 1]
+        buf_k.index_put_((plan.rows, plan.positions), k)
+        buf_v.index_put_((plan.rows, plan.positions), v)
+
+    def refill_layer(self, plan: MirrorPlan, layer: int, paged_k: torch.Tensor, paged_v: torch.Tensor) -> None:
+        """Refills layer `layer`'s rows the plan names from the paged blocks, writing no new token.
+
+        For a layer whose new keys this rank does not compute this step (they arrive later,
+        `write_late`): `commit` marks the rows valid for every layer at once.
+        """
         buf_k, buf_v = plan.entry.kv[layer, 0], plan.entry.kv[layer, 1]
         bs = self.block_size
         for row, blocks in plan.refills:
             n = blocks.shape[0] * bs
             buf_k[row, :n].copy_(paged_k.index_select(0, blocks).view(n, *paged_k.shape[2:]))
             buf_v[row, :n].copy_(paged_v.index_select(0, blocks).view(n, *paged_v.shape[2:]))
-        buf_k.index_put_((plan.rows, plan.positions), k)
-        buf_v.index_put_((plan.rows, plan.positions), v)
+
+    def write_late(
+        self, layer: int, seq_ids: Sequence[int], positions: Sequence[int], k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Writes layer `layer`'s keys and values of an earlier step's decode rows into the rows that claim them.
+
+        A row claims position p of its sequence when a committed step covered it (its
+        length is past p) though this rank did not compute that layer then (the last
+        stage did and sent them back): sequence i's key k[i] goes to position positions[i]
+        of its row in every entry holding it. Rows taken over or refilled since are left
+        as they are (a refill reads the paged cache, which the caller writes first).
+        """
+        for entry in self.entries:
+            found = [(i, row) for i, row in ((i, entry.seq_row.get(s)) for i, s in enumerate(seq_ids)) if row is not None]
+            hits = [(i, row) for i, row in found if entry.row_len[row] > positions[i]]
+            if not hits:
+                continue
+            index = torch.tensor([i for i, _ in hits], dtype=torch.long, device=k.device)
+            rows = torch.tensor([row for _, row in hits], dtype=torch.long, device=self.device)
+            pos = torch.tensor([positions[i] for i, _ in hits], dtype=torch.long, device=self.device)
+            entry.kv[layer, 0].index_put_((rows, pos), k.index_select(0, index))
+            entry.kv[layer, 1].index_put_((rows, pos), v.index_select(0, index))
 
     @staticmethod
     def layer_view(plan: MirrorPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

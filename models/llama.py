@@ -252,18 +252,19 @@ class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP, each with a residual connection.
 
     With `attention=False` it holds only the MLP half (post_attention_layernorm and
-    mlp): the copy of a pipeline boundary layer's MLP that the next stage keeps
-    (see `LlamaStage`).
+    mlp): the copy of a pipeline boundary layer's MLP that the next stage keeps; with
+    `mlp=False` only the attention half (input_layernorm and self_attn): the copy of the
+    last stage's first layer that the stage before it keeps (see `LlamaStage`).
     """
 
-    def __init__(self, args: LlamaArgs, attention: bool = True) -> None:
+    def __init__(self, args: LlamaArgs, attention: bool = True, mlp: bool = True) -> None:
         super().__init__()
         self.input_layernorm: Optional[RMSNorm] = (
             RMSNorm(args.hidden_size, args.rms_norm_eps) if attention else None
         )
         self.self_attn: Optional[Attention] = Attention(args) if attention else None
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = FeedForward(args)
+        self.post_attention_layernorm: Optional[RMSNorm] = RMSNorm(args.hidden_size, args.rms_norm_eps) if mlp else None
+        self.mlp: Optional[FeedForward] = FeedForward(args) if mlp else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepInputs, cache: LayerKV
@@ -302,6 +303,7 @@ class DecoderLayer(nn.Module):
 
     def mlp_half(self, h: torch.Tensor) -> torch.Tensor:
         """h + mlp(norm(h))."""
+        assert self.mlp is not None and self.post_attention_layernorm is not None, "an attention-only layer"
         if torch.is_grad_enabled():
             return h + self.mlp(self.post_attention_layernorm(h))
         return self.mlp(self.post_attention_layernorm(h)).add_(h)
@@ -325,6 +327,15 @@ class LlamaStage(nn.Module):
     previous stage sends the layer's keys and values with every step's hidden states
     (`boundary_kv`). Prompt-heavy steps, whose LM head work is small, balance better
     with more moved.
+
+    `borrowed_next` is the other way: the next (last) stage's first layer, whose
+    attention half this stage holds too, with a copy of that layer's KV cache. On a BACK
+    step this stage runs that attention half after its own layers and fills `next_kv`
+    with the layer's keys and values, which the next stage writes into its own cache
+    before running the layer's MLP half. On every other step the next stage runs the
+    layer whole and, given `next_kv`, fills it: those keys and values go back to this
+    stage's copy (`LayerKV.write_back`). Decode-heavy steps, whose LM head work is large,
+    balance better with the attention moved back.
     """
 
     def __init__(
@@ -335,6 +346,7 @@ class LlamaStage(nn.Module):
         last: bool,
         borrowed_mlp: Optional[int] = None,
         borrowed_attention: bool = False,
+        borrowed_next: Optional[int] = None,
     ) -> None:
         super().__init__()
         self.args = args
@@ -343,8 +355,11 @@ class LlamaStage(nn.Module):
             raise ValueError(f"borrowed_mlp={borrowed_mlp} is not the layer before {layer_ids}")
         if borrowed_attention and borrowed_mlp is None:
             raise ValueError("borrowed_attention needs borrowed_mlp")
+        if borrowed_next is not None and (borrowed_next != layer_ids.stop or last):
+            raise ValueError(f"borrowed_next={borrowed_next} is not the layer after {layer_ids} on a later stage")
         self.borrowed_mlp = borrowed_mlp
         self.borrowed_attention = borrowed_attention
+        self.borrowed_next = borrowed_next
         self.embed_tokens: Optional[nn.Module] = (
             Embedding(args.vocab_size, args.hidden_size) if first else None
         )
@@ -352,6 +367,8 @@ class LlamaStage(nn.Module):
         if borrowed_mlp is not None:
             # Keyed by its global index like any layer, so its parameters are named as in the checkpoint.
             self.layers[str(borrowed_mlp)] = DecoderLayer(args, attention=borrowed_attention)
+        if borrowed_next is not None:
+            self.layers[str(borrowed_next)] = DecoderLayer(args, mlp=False)
         self.norm: Optional[RMSNorm] = RMSNorm(args.hidden_size, args.rms_norm_eps) if last else None
         self.lm_head: Optional[nn.Module] = (
             nn.Linear(args.hidden_size, args.vocab_size, bias=False) if last else None
@@ -366,18 +383,23 @@ class LlamaStage(nn.Module):
         cache: PagedKVCache,
         move: BoundaryMove = BoundaryMove.NONE,
         boundary_kv: Optional[torch.Tensor] = None,
+        next_kv: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after this stage's layers.
 
         `inputs` is token ids [T] on the first stage and the previous stage's hidden states otherwise.
-        `move`: how much of the last boundary's layer runs on the next stage this step (a
-        `BoundaryMove`). A stage holding a borrowed layer runs that part
-        first; the stage it belongs to leaves it out.
+        `move`: how much of the last boundary's layers runs across it this step (a
+        `BoundaryMove`). A stage holding a borrowed layer runs its part; the stage it
+        belongs to leaves that part out.
         `boundary_kv` [T, 2, kv_heads, head_dim]: the boundary layer's keys and values of
         these tokens. The stage that owns the layer writes them into it (pass an empty
         tensor), a stage that borrows the layer with its attention reads them.
+        `next_kv` [T, 2, kv_heads, head_dim]: the last stage's first layer's keys and
+        values (see the class docstring): written by the stage that runs its attention
+        half, read by the last stage on a BACK step.
         """
         move = BoundaryMove(move)
+        forward_move = move if move in (BoundaryMove.MLP, BoundaryMove.LAYER) else BoundaryMove.NONE
         h = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
         cos, sin = rotary_cos_sin(step.positions, self.inv_freq, h.dtype)
         cache.begin_step(step)
@@ -388,22 +410,42 @@ class LlamaStage(nn.Module):
                     raise ValueError("a stage that borrows the boundary attention needs its keys and values")
                 kv = (boundary_kv[:, 0], boundary_kv[:, 1])
                 layer_cache = cache.layer(self.borrowed_mlp)
-                if move == BoundaryMove.LAYER:
+                if forward_move == BoundaryMove.LAYER:
                     h = borrowed.attention_half(h, cos, sin, step, layer_cache, kv=kv)
                 else:
                     layer_cache.write(*kv, step.slot_mapping, step.decode)
-            elif move == BoundaryMove.LAYER:
+            elif forward_move == BoundaryMove.LAYER:
                 raise ValueError("move=LAYER on a stage that holds only the boundary MLP")
-            if move != BoundaryMove.NONE:
+            if forward_move != BoundaryMove.NONE:
                 h = borrowed.mlp_half(h)
-        last = self.layer_ids[-1]
+        elif move == BoundaryMove.BACK and self.norm is not None and next_kv is None:
+            raise ValueError("move=BACK on the last stage needs next_kv: the keys and values of its first layer")
+        if move == BoundaryMove.BACK and self.norm is None and self.borrowed_next is None:
+            raise ValueError("move=BACK on a stage that does not hold the next stage's first attention half")
+        first, last = self.layer_ids[0], self.layer_ids[-1]
         for index in self.layer_ids:
             layer = self.layers[str(index)]
             kv_cache = cache.layer(index)
-            if index == last and self.borrowed_mlp is None and (boundary_kv is not None or move != BoundaryMove.NONE):
-                h = self._lend(layer, h, cos, sin, step, kv_cache, move, boundary_kv)
+            if index == first and self.norm is not None and next_kv is not None:
+                h = self._lend_back(layer, h, cos, sin, step, kv_cache, move, next_kv)
+            elif index == last and self.borrowed_mlp is None and (
+                boundary_kv is not None or forward_move != BoundaryMove.NONE
+            ):
+                h = self._lend(layer, h, cos, sin, step, kv_cache, forward_move, boundary_kv)
             else:
                 h = layer(h, cos, sin, step, kv_cache)
+        if self.borrowed_next is not None and move != BoundaryMove.BACK:
+            # The next stage runs that layer: its keys come back later, but rows of the
+            # mirror that this step refills must hold the rest now (the step commits them).
+            cache.layer(self.borrowed_next).refill_mirror(step.decode)
+        if move == BoundaryMove.BACK and self.borrowed_next is not None:
+            if next_kv is None:
+                raise ValueError("move=BACK needs next_kv to send the next stage's first layer's keys and values")
+            layer = self.layers[str(self.borrowed_next)]
+            normed, (k, v) = layer.input_kv(h, cos, sin)
+            next_kv[:, 0] = k
+            next_kv[:, 1] = v
+            h = layer.attention_half(h, cos, sin, step, cache.layer(self.borrowed_next), kv=(k, v), normed=normed)
         cache.end_step(step)
         return h
 
@@ -418,7 +460,7 @@ class LlamaStage(nn.Module):
         move: BoundaryMove,
         boundary_kv: Optional[torch.Tensor],
     ) -> torch.Tensor:
-        """This stage's last layer, less the part that `move` gives to the next stage."""
+        """This stage's last layer, less the part that `move` (NONE, MLP or LAYER) gives to the next stage."""
         if boundary_kv is None:
             if move == BoundaryMove.LAYER:
                 raise ValueError("move=LAYER needs boundary_kv to send the layer's keys and values")
@@ -431,6 +473,26 @@ class LlamaStage(nn.Module):
             return h
         h = layer.attention_half(h, cos, sin, step, cache, kv=(k, v), normed=normed)
         return h if move == BoundaryMove.MLP else layer.mlp_half(h)
+
+    @staticmethod
+    def _lend_back(
+        layer: DecoderLayer,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        step: StepInputs,
+        cache: LayerKV,
+        move: BoundaryMove,
+        next_kv: torch.Tensor,
+    ) -> torch.Tensor:
+        """The last stage's first layer: its MLP half after a BACK step, else all of it, its keys and values into next_kv."""
+        if move == BoundaryMove.BACK:
+            cache.write(next_kv[:, 0], next_kv[:, 1], step.slot_mapping, step.decode)
+            return layer.mlp_half(h)
+        normed, (k, v) = layer.input_kv(h, cos, sin)
+        next_kv[:, 0] = k
+        next_kv[:, 1] = v
+        return layer.mlp_half(layer.attention_half(h, cos, sin, step, cache, kv=(k, v), normed=normed))
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of the rows of hidden states `h` (last stage only)."""

@@ -223,6 +223,7 @@ def load_stage(
             layout.is_last_stage,
             borrowed_mlp=layout.borrowed_mlp,
             borrowed_attention=layout.borrows_attention,
+            borrowed_next=layout.borrowed_next,
         )
         specs = shard_stage(stage, layout, tp) if layout.tp_size > 1 else {}
     materialize(stage, dtype, device)

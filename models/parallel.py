@@ -191,9 +191,10 @@ def shard_stage(stage: LlamaStage, layout: Layout, tp: TPGroup) -> dict[str, Sha
             column(attn, "v_proj", f"{prefix}.self_attn", kv_lo * hd, kv_hi * hd)
             row(attn, "o_proj", f"{prefix}.self_attn", q_lo * hd, q_hi * hd)
             attn.n_heads, attn.n_kv_heads = q_hi - q_lo, kv_hi - kv_lo
-        column(mlp, "gate_proj", f"{prefix}.mlp", i_lo, i_hi)
-        column(mlp, "up_proj", f"{prefix}.mlp", i_lo, i_hi)
-        row(mlp, "down_proj", f"{prefix}.mlp", i_lo, i_hi)
+        if mlp is not None:  # None in a borrowed attention-only layer
+            column(mlp, "gate_proj", f"{prefix}.mlp", i_lo, i_hi)
+            column(mlp, "up_proj", f"{prefix}.mlp", i_lo, i_hi)
+            row(mlp, "down_proj", f"{prefix}.mlp", i_lo, i_hi)
 
     v_lo, v_hi = layout.vocab
     rows, full_vocab = layout.vocab_shard_size, (args.vocab_size, d)

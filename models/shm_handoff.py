@@ -222,6 +222,10 @@ class ShmHandoffReceiver(_Ring):
         assert mm is not None
         return cls(mm, capacity, fifo, src, timeout_s, paths[0])
 
+    def available(self) -> int:
+        """Bytes sent and not yet read: a `recv_into` of at most this many does not wait."""
+        return self._counters[_W] - self.bytes
+
     def recv_into(self, *xs: torch.Tensor) -> None:
         """Fills each contiguous tensor x, in order, with the next x's-size bytes the sender sent."""
         read, counters = self.bytes, self._counters

@@ -22,6 +22,16 @@ stage 1 computes batch i, and stage 1 finds the bytes there without waking any
 thread of stage 0. Elsewhere (GPU, or a ring that cannot be mapped) sends are
 asynchronous torch.distributed isends (tensor kept alive, waited for at most
 pp_size steps later).
+
+Moving the last stage's first attention half back (`move_boundary_back`, CPU only)
+needs one ring the other way: the stage before the last keeps a copy of that
+layer's KV cache, and every step that runs the layer on the last stage sends its
+keys and values back. The stage before the last takes them at the start of its
+next steps: all that has arrived, and on a step that attends the copy, waits for
+any still missing for that step's sequences. A batch is submitted only after every
+earlier batch holding any of its sequences returned, and the last stage sends a
+step's keys back before it returns, so that wait is short in practice and keys of a
+finished sequence reach the copy before its freed blocks can be written again.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import os
 import resource
 import time
 from datetime import timedelta
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -68,6 +79,22 @@ DEFAULT_KV_CACHE_BYTES = 64 * 2**20
 STEP_TRACE_LEN = 4096
 # How long a shared-memory all-reduce spins before it yields, when every rank has a core.
 SHM_SPIN_S = 1e-3
+# The ring that brings the last stage's first layer's keys and values back holds this many
+# tokens per batch in flight, plus one; a step with more tokens that runs that layer on
+# the last stage ends the BACK moves of this gang (the copy would miss its keys).
+BACK_RING_TOKENS = 1024
+
+
+@dataclass
+class _Writeback:
+    """A step whose keys and values of the last stage's first layer are on their way back."""
+
+    tokens: int
+    slots: torch.Tensor  # [T]: where they go in the copy
+    seq_ids: frozenset  # every sequence of the step
+    decode_rows: Optional[torch.Tensor]  # rows of the step's one-token chunks (mirror rows to update)
+    decode_seq_ids: list[int]
+    decode_positions: list[int]
 
 
 def _default_threads(world_size: int) -> int:
@@ -113,6 +140,12 @@ class LlamaWorker:
             layer and a copy of its KV cache (the previous stage sends the layer's keys and
             values with every step), so a prompt-heavy step can run all of the layer but its
             keys and values there.
+        move_boundary_back: on CPU with shared-memory rings, the stage before the last also
+            holds the attention half of the last stage's first layer and a copy of its KV
+            cache, so a decode-heavy step, whose LM head work is large, can run that half
+            there (BoundaryMove.BACK). Kept only where the cost model would use it on decode
+            steps (Layout.moves_back); it makes that stage keep one more layer's keys and
+            values, so every rank's KV budget holds fewer blocks.
         norm_rope_kernels: on CPU, RMSNorm and the rotation of queries and keys run in the
             numba kernels of models/norm_rope.py (float32 and bfloat16); False, or where
             numba is missing, keeps torch's ops. Process-wide (a rank is one process): a
@@ -138,6 +171,7 @@ class LlamaWorker:
         decode_kernel: bool = True,
         move_boundary_mlp: bool = True,
         move_boundary_attention: bool = True,
+        move_boundary_back: bool = True,
         norm_rope_kernels: bool = True,
     ) -> None:
         self.ctx = ctx
@@ -161,6 +195,8 @@ class LlamaWorker:
             layer_split=tuple(layer_split) if layer_split is not None else None,
             move_boundary_mlp=bool(move_boundary_mlp),
             move_boundary_attention=bool(move_boundary_mlp and move_boundary_attention),
+            # It needs the ring back (init_distributed), which exists only on CPU.
+            move_boundary_back=bool(move_boundary_back and shm_handoff and self.device.type == "cpu"),
         )
         check_layout(self.layout)
         if block_size < 1 or kv_cache_bytes < 1:
@@ -178,6 +214,12 @@ class LlamaWorker:
         # The shared-memory rings to the previous and next stage (None: gloo, or no such stage).
         self._handoff_in: Optional[ShmHandoffReceiver] = None
         self._handoff_out: Optional[ShmHandoffSender] = None
+        # The ring that brings the last stage's first layer's keys and values back (BACK moves).
+        self._back_in: Optional[ShmHandoffReceiver] = None
+        self._back_out: Optional[ShmHandoffSender] = None
+        self._back_pending: collections.deque[_Writeback] = collections.deque()
+        self._back_stale = False  # a step too large for the ring ran: no more BACK moves
+        self._back_allowed = True  # set_move_back
         self.prepack_weights = bool(prepack_weights)
         self.decode_kernel = bool(decode_kernel)
         self.norm_rope_kernels = bool(norm_rope_kernels)  # and loaded: see load_model
@@ -198,6 +240,8 @@ class LlamaWorker:
         self._steps = 0
         self._moved_mlp_steps = 0  # steps that ran the boundary MLP on the last stage
         self._moved_attention_steps = 0  # of those, steps that ran the boundary attention there too
+        self._moved_back_steps = 0  # steps that ran the last stage's first attention half on the stage before
+        self._writeback_steps = 0  # steps whose keys and values of that layer went back (or came back)
         self._tokens = 0
         self._execute_seconds = 0.0
         self._recv_seconds = 0.0  # of execute_seconds: waiting for the previous stage's hidden states
@@ -241,12 +285,43 @@ class LlamaWorker:
                 self._handoff_in = ShmHandoffReceiver.accept(ctx.global_rank - ctx.tp_size, timeout_s=self.dist_timeout_s)
             if ctx.pp < ctx.pp_size - 1:
                 self._handoff_out = ShmHandoffSender.offer(ctx.global_rank + ctx.tp_size, timeout_s=self.dist_timeout_s)
+        if self.layout.moves_back:
+            self._open_back_ring()
         return {
             "rank": ctx.rank,
             "backend": backend,
             "shm_allreduce": shm is not None,
             "shm_handoff": self._handoff_in is not None or self._handoff_out is not None,
         }
+
+    def _open_back_ring(self) -> None:
+        """The ring from the last stage to the one before it; where any pair of ranks cannot have one,
+        no rank moves attention back (every rank must decide moves alike)."""
+        ctx, layout = self.ctx, self.layout
+        capacity = (ctx.pp_size + 1) * BACK_RING_TOKENS * self._back_row_bytes()
+        if layout.lends_back:
+            self._back_out = ShmHandoffSender.offer(
+                ctx.global_rank - ctx.tp_size, capacity=capacity, timeout_s=self.dist_timeout_s
+            )
+        if layout.borrowed_next is not None:
+            self._back_in = ShmHandoffReceiver.accept(
+                ctx.global_rank + ctx.tp_size, capacity=capacity, timeout_s=self.dist_timeout_s
+            )
+        needed = layout.lends_back or layout.borrowed_next is not None
+        ok = torch.tensor([int(not needed or self._back_in is not None or self._back_out is not None)])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if not ok.item():
+            logger.info("%s: no shared-memory ring back to the stage before the last: no BACK moves", self.where)
+            for ring in (self._back_in, self._back_out):
+                if ring is not None:
+                    ring.close()
+            self._back_in = self._back_out = None
+            self.layout = replace(layout, move_boundary_back=False)
+
+    def _back_row_bytes(self) -> int:
+        """Bytes of one token's keys and values of one layer on this rank."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.layout.num_local_kv_heads * self.args.head_dim * itemsize
 
     def load_model(self) -> dict[str, Any]:
         """Builds this rank's stage, loads its weight shards and allocates its KV cache.
@@ -324,7 +399,7 @@ class LlamaWorker:
         # blocks the scheduler (which takes the minimum) can never use. A borrowed boundary
         # layer never makes the last stage keep more (Layout.moves_attention).
         layout = self.layout
-        most_layers = max(len(r) for r in layout.stage_layers)
+        most_layers = layout.most_cache_layers
         per_block = PagedKVCache.bytes_per_block(
             most_layers, self.block_size, layout.num_local_kv_heads, self.args.head_dim, self.dtype
         )
@@ -398,32 +473,114 @@ class LlamaWorker:
             return step, None
         layout = self.layout
         move = BoundaryMove.NONE
-        if layout.lends_mlp or layout.borrowed_mlp is not None:
-            move = boundary_move(layout, step.num_tokens, step.num_decode_rows, int(step.sample_rows.numel()))
-        if move != BoundaryMove.NONE:
+        at_boundary = layout.lends_mlp or layout.borrowed_mlp is not None
+        if at_boundary or layout.borrowed_next is not None or layout.lends_back:
+            move = boundary_move(
+                layout, step.num_tokens, step.num_decode_rows, int(step.sample_rows.numel()),
+                allow_back=self._back_allowed and not self._back_stale,
+            )
+        if move in (BoundaryMove.MLP, BoundaryMove.LAYER):
             self._moved_mlp_steps += 1
             self._moved_attention_steps += move == BoundaryMove.LAYER
+        self._moved_back_steps += move == BoundaryMove.BACK
+        writeback = self._writeback_planned(step, move)
+        kv_shape = (step.num_tokens, 2, layout.num_local_kv_heads, self.args.head_dim)
         # The boundary layer's keys and values, sent with the hidden states every step when
         # the next stage keeps a copy of that layer's cache.
         boundary_kv = None
         if layout.lends_attention or layout.borrows_attention:
-            kv_shape = (step.num_tokens, 2, layout.num_local_kv_heads, self.args.head_dim)
             boundary_kv = torch.empty(kv_shape, dtype=self.dtype, device=self.device)
+        # The last stage's first layer's keys and values: forward on a BACK step, back after others.
+        next_kv = None
+        if move == BoundaryMove.BACK or (writeback and layout.lends_back):
+            next_kv = torch.empty(kv_shape, dtype=self.dtype, device=self.device)
+        if layout.borrowed_next is not None:
+            # Before the step: its copy must hold what it attends, and writes of the step
+            # must not be overwritten by older keys arriving late.
+            self._take_writebacks(batch, wait=move == BoundaryMove.BACK)
         if ctx.is_first_stage:
             x = step.token_ids
         else:
             x = torch.empty(step.num_tokens, self.args.hidden_size, dtype=self.dtype, device=self.device)
             waited = time.perf_counter()
-            self._recv(*((x, boundary_kv) if layout.borrows_attention else (x,)))
+            incoming = [x]
+            if layout.borrows_attention:
+                incoming.append(boundary_kv)
+            if move == BoundaryMove.BACK and layout.lends_back:
+                incoming.append(next_kv)
+            self._recv(*incoming)
             self._recv_done = time.perf_counter()
             self._recv_seconds += self._recv_done - waited
-        h = stage(x, step, cache, move=move, boundary_kv=boundary_kv)
+        h = stage(x, step, cache, move=move, boundary_kv=boundary_kv, next_kv=next_kv)
         if not ctx.is_last_stage:
-            self._send_next(*((h, boundary_kv) if layout.lends_attention else (h,)))
+            outgoing = [h]
+            if layout.lends_attention:
+                outgoing.append(boundary_kv)
+            if move == BoundaryMove.BACK and layout.borrowed_next is not None:
+                outgoing.append(next_kv)
+            self._send_next(*outgoing)
+            if writeback and layout.borrowed_next is not None:
+                self._expect_writeback(batch, step)
             return step, None
+        if writeback and layout.lends_back:
+            assert self._back_out is not None and next_kv is not None
+            self._back_out.send(next_kv)  # before this step returns (see the module docstring)
         if step.sample_rows.numel() == 0:
             return step, None
         return step, h[step.sample_rows]
+
+    def _writeback_planned(self, step: StepInputs, move: BoundaryMove) -> bool:
+        """Whether this step's keys and values of the last stage's first layer go back to the stage before.
+
+        Decided alike on both stages from the step: every step that runs that layer on the
+        last stage, unless too large for the ring, which stops BACK moves for good.
+        """
+        layout = self.layout
+        if not layout.moves_back or self._back_stale or move == BoundaryMove.BACK or step.num_tokens == 0:
+            return False
+        if not (layout.lends_back or layout.borrowed_next is not None):
+            return False
+        if step.num_tokens > BACK_RING_TOKENS:
+            self._back_stale = True
+            logger.warning(
+                "%s: a step of %d tokens is more than the ring back holds (%d): no more BACK moves",
+                self.where, step.num_tokens, BACK_RING_TOKENS,
+            )
+            return False
+        self._writeback_steps += 1
+        return True
+
+    def _expect_writeback(self, batch: ModelBatch, step: StepInputs) -> None:
+        dec = step.decode
+        self._back_pending.append(
+            _Writeback(
+                tokens=step.num_tokens,
+                slots=step.slot_mapping,
+                seq_ids=frozenset(c.seq_id for c in batch.chunks),
+                decode_rows=dec.rows if dec is not None else None,
+                decode_seq_ids=list(dec.seq_ids) if dec is not None else [],
+                decode_positions=list(dec.positions) if dec is not None else [],
+            )
+        )
+
+    def _take_writebacks(self, batch: ModelBatch, wait: bool) -> None:
+        """Writes into the copy every pending writeback that has arrived; with `wait`, also waits for any of `batch`'s sequences."""
+        ring, pending = self._back_in, self._back_pending
+        if ring is None or not pending or self.cache is None:
+            return
+        row_bytes = self._back_row_bytes()
+        seqs = {c.seq_id for c in batch.chunks} if wait else set()
+        layer = self.cache.layer(self.layout.borrowed_next)
+        while pending:
+            head = pending[0]
+            if ring.available() < head.tokens * row_bytes and not any(seqs & e.seq_ids for e in pending):
+                break
+            kv = torch.empty(
+                (head.tokens, 2, self.layout.num_local_kv_heads, self.args.head_dim), dtype=self.dtype, device=self.device
+            )
+            ring.recv_into(kv)  # waits only when a sequence of this step needs it
+            pending.popleft()
+            layer.write_back(kv[:, 0], kv[:, 1], head.slots, head.decode_rows, head.decode_seq_ids, head.decode_positions)
 
     def _recv(self, *xs: torch.Tensor) -> None:
         """Fills xs, in order, with what the previous stage's `_send_next` sent."""
@@ -457,6 +614,16 @@ class LlamaWorker:
 
     # ----- health and stats -----
 
+    def set_move_back(self, allowed: bool) -> bool:
+        """Allows or forbids BACK moves from the next step on; returns whether they can happen.
+
+        Call it on every rank between steps (`collective_rpc`): both stages must decide moves
+        alike. The copy stays whole either way (the keys keep coming back), so a benchmark
+        can compare the two in one session.
+        """
+        self._back_allowed = bool(allowed)
+        return self._back_allowed and self.layout.moves_back and not self._back_stale
+
     def check_health(self) -> dict[str, Any]:
         """Cheap liveness facts of this rank (no communication)."""
         return {
@@ -487,6 +654,9 @@ class LlamaWorker:
             "steps": self._steps,
             "moved_mlp_steps": self._moved_mlp_steps,
             "moved_attention_steps": self._moved_attention_steps,
+            "moved_back_steps": self._moved_back_steps,
+            "writeback_steps": self._writeback_steps,
+            "borrowed_next": self.layout.borrowed_next,
             "borrowed_mlp": self.layout.borrowed_mlp,
             "borrowed_attention": self.layout.borrows_attention,
             "tokens": self._tokens,
@@ -531,9 +701,10 @@ class LlamaWorker:
         self._pending_sends.clear()
         if self.tp_group.shm is not None:
             self.tp_group.shm.close()
-        for ring in (self._handoff_in, self._handoff_out):
+        for ring in (self._handoff_in, self._handoff_out, self._back_in, self._back_out):
             if ring is not None:
                 ring.close()
+        self._back_pending.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.stage = None

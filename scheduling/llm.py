@@ -103,6 +103,11 @@ class LLM:
         move_boundary_attention: with move_boundary_mlp, the last stage holds that whole
             layer and a copy of its KV cache, so prompt-heavy steps can run all of it there
             but its keys and values; True by default.
+        move_boundary_back: on CPU with pp > 1, the stage before the last also holds the
+            attention half of the last stage's first layer and a copy of its KV cache, so
+            decode-heavy steps, whose LM head work is large, can run it there; kept only
+            where the cost model would use it (it costs that stage one more layer of KV
+            blocks, so every rank's budget holds fewer); True by default.
         shm_handoff: on CPU with pp > 1, hidden states go to the next stage through a
             shared-memory ring (models/shm_handoff.py) instead of gloo's send/recv; True
             by default, gloo where the ring cannot be mapped.
@@ -147,6 +152,7 @@ class LLM:
         decode_kernel: bool = True,
         move_boundary_mlp: bool = True,
         move_boundary_attention: bool = True,
+        move_boundary_back: bool = True,
         shm_handoff: bool = True,
         norm_rope_kernels: bool = True,
         keep_freed_memory: bool = True,
@@ -205,6 +211,8 @@ class LLM:
             worker_kwargs["move_boundary_mlp"] = False
         if not move_boundary_attention:
             worker_kwargs["move_boundary_attention"] = False
+        if not move_boundary_back:
+            worker_kwargs["move_boundary_back"] = False
         if not shm_handoff:
             worker_kwargs["shm_handoff"] = False
         if not norm_rope_kernels:

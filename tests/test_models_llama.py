@@ -477,3 +477,108 @@ def test_step_trace_records_each_step_in_order_and_clears(workers):
         assert start <= ready <= end
     assert trace[0][3] <= trace[1][1]
     assert worker.get_step_trace() == []
+
+
+def test_the_last_stage_lends_its_first_attention_half_back_on_decode_steps():
+    # The default model at PP2 splits (5, 3); a decode step leaves the last stage, with its
+    # LM head, the busier by about 0.8 layer: layer 5's attention half runs on stage 0.
+    layouts = [Layout(default_model_args(), pp=s, pp_size=2, move_boundary_mlp=True, move_boundary_attention=True,
+                      move_boundary_back=True) for s in (0, 1)]
+    first, last = layouts
+    assert first.moves_back and first.borrowed_next == 5 and not first.lends_back
+    assert last.lends_back and last.borrowed_next is None
+    assert first.cache_layers == [0, 1, 2, 3, 4, 5] and last.cache_layers == [5, 6, 7, 4]
+    assert first.most_cache_layers == last.most_cache_layers == 6
+    for lay in layouts:
+        assert boundary_move(lay, 32, 32, 32) == BoundaryMove.BACK
+        assert boundary_move(lay, 1, 1, 1) == BoundaryMove.BACK
+        assert boundary_move(lay, 32, 32, 32, allow_back=False) == BoundaryMove.NONE
+        assert boundary_move(lay, 512, 20, 24) == BoundaryMove.LAYER  # prompt steps still move forward
+    # Where the stage before the last is the busier on decode steps, no copy is kept.
+    even = [Layout(default_model_args(), pp=s, pp_size=2, layer_split=(6, 2), move_boundary_back=True) for s in (0, 1)]
+    assert not even[0].moves_back and even[0].borrowed_next is None and even[0].cache_layers == list(range(6))
+    assert boundary_move(even[0], 32, 32, 32) == BoundaryMove.NONE
+    # Off by default in a Layout; with more stages only the last boundary moves.
+    assert Layout(default_model_args(), pp=0, pp_size=2).borrowed_next is None
+    four = [Layout(default_model_args(), pp=s, pp_size=4, layer_split=(2, 2, 3, 1), move_boundary_back=True)
+            for s in range(4)]
+    assert [lay.borrowed_next for lay in four] == [None, None, 7, None]
+    assert [lay.lends_back for lay in four] == [False, False, False, True]
+
+
+def test_attention_lent_back_gives_the_same_logits_and_keeps_both_copies_whole(checkpoints):
+    """Two in-process stages split (1, 3), the first holding the second's first attention half.
+
+    Steps alternate between running that half on stage 0 (BACK: its keys and values go
+    forward) and on stage 1 (their keys and values come back, written into stage 0's copy
+    with `LayerKV.write_back`): every step's logits are transformers', and both copies of
+    the layer's cache end up equal.
+    """
+    path = checkpoints["single"]
+    args = load_config(path)
+    layouts = [Layout(args, pp=s, pp_size=2, layer_split=(1, 3), move_boundary_mlp=True, move_boundary_back=True)
+               for s in (0, 1)]
+    assert layouts[0].borrowed_next == 1 and layouts[1].lends_back
+    stages = [load_stage(lay, path, torch.float32)[0] for lay in layouts]
+    assert stages[0].layers["1"].mlp is None and stages[0].layers["1"].self_attn is not None
+    steps = 4
+    tables = block_tables([len(p) + steps for p in PROMPTS], BLOCK)
+    # The first decode step puts each sequence's rows into the mirror (a refill from the
+    # paged blocks) whichever stage runs the layer; later steps only add a position.
+    for moves in ([BoundaryMove.NONE, BoundaryMove.BACK, BoundaryMove.NONE, BoundaryMove.BACK],
+                  [BoundaryMove.NONE, BoundaryMove.NONE, BoundaryMove.BACK, BoundaryMove.BACK],
+                  [BoundaryMove.BACK, BoundaryMove.BACK, BoundaryMove.NONE, BoundaryMove.NONE]):
+        caches = [
+            PagedKVCache(lay.cache_layers, 64, BLOCK, lay.num_local_kv_heads, args.head_dim, torch.float32, "cpu",
+                         mirror_bytes=2**20)
+            for lay in layouts
+        ]
+        seqs = [list(p) for p in PROMPTS]
+        batch = prefill_batch(PROMPTS, tables)
+        for n, move in enumerate(moves):
+            step = prepare_step(batch, block_size=BLOCK, num_blocks=64, vocab_size=args.vocab_size)
+            next_kv = torch.empty(step.num_tokens, 2, layouts[0].num_local_kv_heads, args.head_dim)
+            with torch.inference_mode():
+                h = stages[0](step.token_ids, step, caches[0], move=move, next_kv=next_kv)
+                h = stages[1](h, step, caches[1], move=move, next_kv=next_kv)
+                logits = stages[1].compute_logits(h[step.sample_rows])
+                if move != BoundaryMove.BACK:  # what the worker sends back and stage 0 takes later
+                    dec = step.decode
+                    caches[0].layer(1).write_back(
+                        next_kv[:, 0], next_kv[:, 1], step.slot_mapping, dec.rows if dec else None,
+                        dec.seq_ids if dec else (), dec.positions if dec else (),
+                    )
+            torch.testing.assert_close(logits, reference_last_logits(path, seqs), atol=1e-4, rtol=0)
+            tokens = logits.argmax(-1).tolist()
+            batch = ModelBatch(n + 1, [SequenceChunk(i, [t], len(seqs[i]), tables[i]) for i, t in enumerate(tokens)])
+            for s, t in zip(seqs, tokens):
+                s.append(t)
+        assert torch.equal(caches[0].storage[-1], caches[1].storage[0])  # layer 1: stage 0's copy, stage 1's own
+        mirrors = [c.mirror for c in caches]
+        for e0, e1 in zip(mirrors[0].entries, mirrors[1].entries):
+            assert torch.equal(e0.storage[-1], e1.storage[0])
+
+
+def test_a_step_too_large_for_the_ring_back_ends_the_back_moves(tmp_path):
+    """Both stages decide alike from the step: a step that would send back more keys than the
+    ring holds is not sent, and from then on no step moves attention back (the copy would
+    miss those keys)."""
+    import models.worker as worker_module
+
+    path = build_checkpoint(tmp_path / "heavy", vocab_size=1024)
+    for pp in (0, 1):
+        ctx = ActorContext(pp=pp, tp=0, tp_size=1, pp_size=2, master_addr="127.0.0.1", master_port=0)
+        worker = LlamaWorker(ctx, model=path, layer_split=(2, 2), block_size=BLOCK)
+        assert worker.layout.moves_back and worker.set_move_back(True)
+        limit = worker_module.BACK_RING_TOKENS
+        small, large = (prepare_step(prefill_batch([list(range(n))], [list(range(-(-n // BLOCK)))]), block_size=BLOCK,
+                                     num_blocks=10**4, vocab_size=10**4) for n in (limit, limit + 1))
+        assert worker._writeback_planned(small, BoundaryMove.NONE)
+        assert not worker._writeback_planned(small, BoundaryMove.BACK)  # its keys went forward
+        assert not worker._writeback_planned(large, BoundaryMove.NONE)
+        assert not worker._writeback_planned(small, BoundaryMove.NONE) and not worker.set_move_back(True)
+        assert worker.get_stats()["writeback_steps"] == 1
+    # Without the option, or on a layout where the cost model would not use it, nothing is kept.
+    ctx = ActorContext(pp=0, tp=0, tp_size=1, pp_size=2, master_addr="127.0.0.1", master_port=0)
+    assert not LlamaWorker(ctx, model=path, layer_split=(2, 2), move_boundary_back=False).layout.moves_back
+    assert not LlamaWorker(ctx, model=path, layer_split=(3, 1)).layout.moves_back

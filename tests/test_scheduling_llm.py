@@ -31,6 +31,9 @@ NUM_BLOCKS = 7
 NEW_TOKENS = 8
 MANY_PROMPTS = PROMPTS + [[5, 6, 7, 8, 9, 10], list(range(100, 127)), [250, 3, 250, 3]]
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+# Long prompts among short ones: some steps mix a sequence's first decode row with a long
+# prompt chunk, which keeps a boundary layer where it is (models.config.boundary_move).
+HEAVY_PROMPTS = MANY_PROMPTS + [list(range(1, 150)), [7, 8] * 60, list(range(300, 400))]
 
 
 def host_has_glibc() -> bool:
@@ -274,6 +277,46 @@ def test_the_boundary_layer_moved_across_stages_changes_no_token(reference, tp, 
         assert len(moved) == 1
         mlp_steps, attention_steps = moved.pop()
         assert mlp_steps > 0 and (attention_steps > 0) == attention
+    assert not wait_gone(pids) and not child_pids()
+
+
+@pytest.fixture(scope="module")
+def heavy_head(tmp_path_factory):
+    """A checkpoint whose LM head (vocab 1024) makes the last of two (2, 2) stages the busier on
+    decode steps, and transformers' greedy continuations of HEAVY_PROMPTS (no eos)."""
+    path = build_checkpoint(tmp_path_factory.mktemp("llm") / "heavy-head", seed=5, vocab_size=1024)
+    full = reference_greedy(path, HEAVY_PROMPTS, NEW_TOKENS)
+    return path, [seq[len(p) :] for seq, p in zip(full, HEAVY_PROMPTS)]
+
+
+@pytest.mark.parametrize(
+    "tp, shm, kv_bytes", [(1, True, 9 * 2**14), (2, True, None), (1, False, None)], ids=["tp1-preempted", "tp2", "gloo"]
+)
+def test_attention_moved_back_to_the_stage_before_changes_no_token(heavy_head, tp, shm, kv_bytes):
+    """Decode steps run layer 2's attention half on stage 0 (its keys go forward), prompt-heavy
+    steps run it on stage 1 (its keys come back through the ring): tokens stay transformers',
+    with two batches in flight and with requests preempted and recomputed. A 16-token budget
+    chunks the long prompts, so sequences often take their first decode step beside a prompt
+    chunk, with the layer on stage 1. Without the shared-memory rings (gloo) the copy is not
+    kept and nothing moves back."""
+    path, expected = heavy_head
+    options = {"kv_cache_bytes": kv_bytes} if kv_bytes else {}
+    with LLM(
+        path, tp=tp, pp=2, block_size=BLOCK, layer_split=(2, 2), max_num_seqs=3, shm_handoff=shm,
+        max_num_batched_tokens=16, start_timeout=120.0, **options,
+    ) as llm:
+        pids = llm.supervisor.pids
+        outputs = llm.generate(HEAVY_PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+        assert [o.token_ids for o in outputs] == expected
+        assert llm.engine.peak_in_flight == 2
+        if kv_bytes:
+            assert llm.engine.stats()["num_preemptions"] > 0
+        stats = llm.supervisor.collective_rpc("get_stats")
+        assert [s["borrowed_next"] for s in stats] == [2 if shm else None] * tp + [None] * tp
+        moved = {(s["moved_back_steps"], s["writeback_steps"]) for s in stats}
+        assert len(moved) == 1  # every rank of both stages decided alike
+        back, writebacks = moved.pop()
+        assert (back > 0 and writebacks > 0) if shm else back == writebacks == 0
     assert not wait_gone(pids) and not child_pids()
 
 

@@ -39,6 +39,12 @@ line per run (with its `work_s`, both stages' compute, and `utilization`), then
 exactly into `pair_work_ratios` (the one-batch run's work over the two-batch run's: below
 1 when two smaller batches cost more) times `pair_utilization_ratios` (the two-batch
 run's utilization over the one-batch run's: 2 for perfect overlap of two stages).
+`--alternate-back ROUNDS` compares the BACK move (the last stage's first attention half
+run on stage 0 in decode-heavy steps) with none, in one PP2 session: each round runs the
+four combinations of BACK allowed or not (`LlamaWorker.set_move_back`) and two or one
+batches in flight, one line per run, then {"bench": "pipeline_move_back", "back": {overlap
+of the runs with it}, "no_back": {...}, "back_over_no_back_2": [pairs], ...}. With BACK
+forbidden the copy is still kept, so the keys still come back after every step.
 `--pin-driver CPU` pins this process's threads (the engine's loop and the reply router)
 to one CPU once the gang is up: which core the driver's work lands on. Run it alone on
 the machine.
@@ -279,6 +285,57 @@ def alternate(rounds: int, dtype: str, engine_options: dict, pin_driver: Optiona
     return lines + [summary]
 
 
+def alternate_back(rounds: int, dtype: str, engine_options: dict) -> list[dict]:
+    """PP2 with and without BACK moves, each with two batches in flight and one, in one session (see the module docstring)."""
+    from scheduling import LLM, SamplingParams
+
+    lines = []
+    arms = {True: "back", False: "no_back"}
+    speeds: dict = {(b, n): [] for b in arms for n in (2, 1)}
+    work: dict = {(b, n): [] for b in arms for n in (2, 1)}
+    utilization: dict = {(b, n): [] for b in arms for n in (2, 1)}
+    order = [(b, n) for b in arms for n in (2, 1)]
+    with LLM(model=None, dtype=dtype, **{**CONFIGS["pp2"], **engine_options}) as llm:
+        specs = _workload(llm.args.vocab_size)
+        params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
+        prompts = [s.prompt_token_ids for s in specs[WARMUP:]]
+        llm.generate([s.prompt_token_ids for s in specs[:WARMUP]], params)
+        for r in range(rounds):
+            for back, inflight in order if r % 2 == 0 else order[::-1]:
+                able = llm.supervisor.collective_rpc("set_move_back", args=(back,))
+                if back and not all(able):
+                    raise SystemExit("this layout keeps no copy to move attention back (LlamaWorker.set_move_back)")
+                llm.engine.set_max_inflight(inflight)
+                llm.supervisor.collective_rpc("get_step_trace", kwargs={"clear": True})
+                start = time.perf_counter()
+                llm.generate(prompts, params)
+                run_s = time.perf_counter() - start
+                compute = _compute_seconds(_timelines(llm.supervisor.collective_rpc("get_step_trace")))
+                key = (back, inflight)
+                speeds[key].append(NUM_PROMPTS * OUTPUT_LEN / run_s)
+                work[key].append(sum(compute))
+                utilization[key].append(_utilization(compute, run_s))
+                line = {
+                    "bench": "pipeline_run",
+                    "round": r,
+                    "move_back": back,
+                    "max_inflight": inflight,
+                    "output_tokens_per_s": round(speeds[key][-1], 1),
+                    "work_s": round(sum(compute), 3),
+                    "utilization": round(utilization[key][-1], 3),
+                }
+                print(json.dumps(line), flush=True)
+                lines.append(line)
+    summary: dict = {"bench": "pipeline_move_back", "dtype": dtype, "rounds": rounds}
+    for back, name in arms.items():
+        pick = lambda d: {n: d[(back, n)] for n in (2, 1)}  # noqa: E731
+        summary[name] = _overlap(pick(speeds), pick(work), pick(utilization))
+    for n in (2, 1):
+        summary[f"back_over_no_back_{n}"] = [round(a / b, 3) for a, b in zip(speeds[(True, n)], speeds[(False, n)])]
+    print(json.dumps(summary), flush=True)
+    return lines + [summary]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="pp2", choices=["pp2", "tp1_1thread", "tp1_2threads", "tp2", "tp2pp2"])
@@ -287,6 +344,9 @@ def main() -> None:
     parser.add_argument("--alternate", type=int, metavar="ROUNDS",
                         help="pp2 only: in one session, ROUNDS pairs of runs with 2 and 1 batches in flight "
                              "(order flipped each round); one line per run, then the overlap")
+    parser.add_argument("--alternate-back", type=int, metavar="ROUNDS",
+                        help="pp2 only: in one session, ROUNDS rounds of the four runs with BACK moves allowed or "
+                             "not and 2 or 1 batches in flight; one line per run, then both overlaps")
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--layer-split", type=int, nargs="+", metavar="N")
     parser.add_argument("--pin-driver", type=int, metavar="CPU",
@@ -302,6 +362,11 @@ def main() -> None:
         if args.config != "pp2":
             parser.error("--alternate measures pp2's overlap; leave --config at pp2")
         alternate(args.alternate, args.dtype, options, args.pin_driver)
+        return
+    if args.alternate_back:
+        if args.config != "pp2":
+            parser.error("--alternate-back measures pp2; leave --config at pp2")
+        alternate_back(args.alternate_back, args.dtype, options)
         return
     inflights = args.inflight or ([2, 1] if args.config == "pp2" else [None])
     for inflight in inflights:

@@ -52,6 +52,7 @@ ENGINE_SWITCHES = (
     ("--no-decode-kernel", "decode_kernel", "SDPA for decode attention (models/decode_attention.py off)"),
     ("--no-move-mlp", "move_boundary_mlp", "the boundary MLP always on its own stage (LLM move_boundary_mlp=False)"),
     ("--no-move-attention", "move_boundary_attention", "only the boundary MLP may move (LLM move_boundary_attention=False)"),
+    ("--no-move-back", "move_boundary_back", "the last stage's first attention half never runs on the stage before (LLM move_boundary_back=False)"),
     ("--no-shm-handoff", "shm_handoff", "hidden states between stages through gloo send/recv (LLM shm_handoff=False)"),
     ("--no-norm-rope", "norm_rope_kernels", "torch's ops for RMSNorm and rotary embeddings (LLM norm_rope_kernels=False)"),
 )
