@@ -395,9 +395,10 @@ class LlamaWorker:
         }
 
     def _num_blocks(self) -> int:
-        # Same on every rank: sized for the stage with the most layers, so no rank allocates
-        # blocks the scheduler (which takes the minimum) can never use. A borrowed boundary
-        # layer never makes the last stage keep more (Layout.moves_attention).
+        # Same on every rank: sized for the stage that keeps the most layers' keys, so no rank
+        # allocates blocks the scheduler (which takes the minimum) can never use. A borrowed
+        # boundary layer never makes the last stage keep more (Layout.moves_attention); the
+        # copy kept for BACK moves does make the stage before it keep one more (Layout.moves_back).
         layout = self.layout
         most_layers = layout.most_cache_layers
         per_block = PagedKVCache.bytes_per_block(
