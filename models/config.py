@@ -494,7 +494,8 @@ class Layout:
 
     @property
     def cache_layers(self) -> list[int]:
-        """The layers whose keys and values this rank keeps: its own, then a borrowed one."""
+        """The layers whose keys and values this rank keeps: its own, then any it borrows
+        (the previous stage's last, on the last stage; the next stage's first, on the stage before it)."""
         own = list(self.layers)
         if self.borrows_attention:
             own.append(self.layers.start - 1)
