@@ -290,23 +290,30 @@ def heavy_head(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "tp, split, shm, kv_bytes",
-    [(1, (2, 2), True, 9 * 2**14), (2, (2, 2), True, None), (1, (2, 1, 1), True, None), (1, (2, 2), False, None)],
-    ids=["tp1-preempted", "tp2", "pp3", "gloo"],
+    "tp, split, shm, back, kv_bytes",
+    [
+        (1, (2, 2), True, True, 9 * 2**14),
+        (2, (2, 2), True, True, None),
+        (1, (2, 1, 1), True, True, None),
+        (1, (2, 2), False, True, None),
+        (1, (2, 2), True, False, None),
+    ],
+    ids=["tp1-preempted", "tp2", "pp3", "gloo", "off"],
 )
-def test_attention_moved_back_to_the_stage_before_changes_no_token(heavy_head, tp, split, shm, kv_bytes):
+def test_attention_moved_back_to_the_stage_before_changes_no_token(heavy_head, tp, split, shm, back, kv_bytes):
     """Decode steps run the last stage's first attention half on the stage before (its keys go
     forward), prompt-heavy steps run it on the last stage (its keys come back through the ring):
     tokens stay transformers', with two batches in flight, with requests preempted and
     recomputed, and with three stages. A 16-token budget chunks the long prompts, so sequences
     often take their first decode step beside a prompt chunk, with the layer on the last stage.
-    Without the shared-memory rings (gloo) the copy is not kept and nothing moves back."""
+    Without the shared-memory rings (gloo), or with move_boundary_back=False, the copy is not
+    kept and nothing moves back."""
     path, expected = heavy_head
     pp = len(split)
     options = {"kv_cache_bytes": kv_bytes} if kv_bytes else {}
     with LLM(
         path, tp=tp, pp=pp, block_size=BLOCK, layer_split=split, max_num_seqs=3, shm_handoff=shm,
-        max_num_batched_tokens=16, start_timeout=120.0, **options,
+        move_boundary_back=back, max_num_batched_tokens=16, start_timeout=120.0, **options,
     ) as llm:
         pids = llm.supervisor.pids
         outputs = llm.generate(HEAVY_PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
@@ -315,14 +322,15 @@ def test_attention_moved_back_to_the_stage_before_changes_no_token(heavy_head, t
         if kv_bytes:
             assert llm.engine.stats()["num_preemptions"] > 0
         stats = llm.supervisor.collective_rpc("get_stats")
+        kept = shm and back
         lender = sum(split[:-1])  # the last stage's first layer
-        borrowers = [None] * tp * (pp - 2) + [lender if shm else None] * tp + [None] * tp
+        borrowers = [None] * tp * (pp - 2) + [lender if kept else None] * tp + [None] * tp
         assert [s["borrowed_next"] for s in stats] == borrowers
         last_two = stats[-2 * tp :]
         moved = {(s["moved_back_steps"], s["writeback_steps"]) for s in last_two}
         assert len(moved) == 1  # every rank of both stages decided alike
-        back, writebacks = moved.pop()
-        assert (back > 0 and writebacks > 0) if shm else back == writebacks == 0
+        moved_back, writebacks = moved.pop()
+        assert (moved_back > 0 and writebacks > 0) if kept else moved_back == writebacks == 0
     assert not wait_gone(pids) and not child_pids()
 
 
