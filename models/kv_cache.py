@@ -78,11 +78,14 @@ class LayerKV:
         the next stage is written here and attended there), since `PagedKVCache.end_step`
         marks the rows valid for every layer at once.
         """
-        self.k.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
-        self.v.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+        self._store(k, v, slots)
         plan = decode.mirror if decode is not None else None
         if plan is not None and self.mirror is not None:
             self.mirror.update_layer(plan, self.index, self.k, self.v, decode.take(k), decode.take(v))
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        self.k.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
+        self.v.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
 
     def refill_mirror(self, decode: Optional["DecodeGroup"]) -> None:
         """Brings the decode group's refilled mirror rows of this layer up to date, for a step
@@ -106,8 +109,7 @@ class LayerKV:
         `seq_ids` at `positions`: the mirror rows that already claim them get them too
         (`KVMirror.write_late`).
         """
-        self.k.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
-        self.v.view(-1, *v.shape[1:]).index_copy_(0, slots, v)
+        self._store(k, v, slots)
         if self.mirror is not None and decode_rows is not None and len(seq_ids):
             self.mirror.write_late(self.index, seq_ids, positions, k.index_select(0, decode_rows), v.index_select(0, decode_rows))
 

@@ -294,12 +294,20 @@ class DecoderLayer(nn.Module):
         return self.self_attn(normed, cos, sin, step, cache, kv).add_(x)
 
     def input_kv(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: Optional[torch.Tensor] = None
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """norm(x) and the keys and values the layer's attention makes of it."""
+        """norm(x) and the keys and values the layer's attention makes of it.
+
+        `out` [T, 2, kv_heads, head_dim], if given, gets a copy of them (what a pipeline
+        stage sends to another stage's copy of the layer's cache).
+        """
         assert self.self_attn is not None and self.input_layernorm is not None, "an MLP-only layer"
         normed = self.input_layernorm(x)
-        return normed, self.self_attn.project_kv(normed, cos, sin)
+        k, v = self.self_attn.project_kv(normed, cos, sin)
+        if out is not None:
+            out[:, 0] = k
+            out[:, 1] = v
+        return normed, (k, v)
 
     def mlp_half(self, h: torch.Tensor) -> torch.Tensor:
         """h + mlp(norm(h))."""
@@ -442,9 +450,7 @@ class LlamaStage(nn.Module):
             if next_kv is None:
                 raise ValueError("move=BACK needs next_kv to send the next stage's first layer's keys and values")
             layer = self.layers[str(self.borrowed_next)]
-            normed, (k, v) = layer.input_kv(h, cos, sin)
-            next_kv[:, 0] = k
-            next_kv[:, 1] = v
+            normed, (k, v) = layer.input_kv(h, cos, sin, out=next_kv)
             h = layer.attention_half(h, cos, sin, step, cache.layer(self.borrowed_next), kv=(k, v), normed=normed)
         cache.end_step(step)
         return h
@@ -465,9 +471,7 @@ class LlamaStage(nn.Module):
             if move == BoundaryMove.LAYER:
                 raise ValueError("move=LAYER needs boundary_kv to send the layer's keys and values")
             return layer.attention_half(h, cos, sin, step, cache)  # move == MLP
-        normed, (k, v) = layer.input_kv(h, cos, sin)
-        boundary_kv[:, 0] = k
-        boundary_kv[:, 1] = v
+        normed, (k, v) = layer.input_kv(h, cos, sin, out=boundary_kv)
         if move == BoundaryMove.LAYER:
             cache.write(k, v, step.slot_mapping, step.decode)
             return h
@@ -489,9 +493,7 @@ class LlamaStage(nn.Module):
         if move == BoundaryMove.BACK:
             cache.write(next_kv[:, 0], next_kv[:, 1], step.slot_mapping, step.decode)
             return layer.mlp_half(h)
-        normed, (k, v) = layer.input_kv(h, cos, sin)
-        next_kv[:, 0] = k
-        next_kv[:, 1] = v
+        normed, (k, v) = layer.input_kv(h, cos, sin, out=next_kv)
         return layer.mlp_half(layer.attention_half(h, cos, sin, step, cache, kv=(k, v), normed=normed))
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -89,7 +89,6 @@ BACK_RING_TOKENS = 1024
 class _Writeback:
     """A step whose keys and values of the last stage's first layer are on their way back."""
 
-    tokens: int
     slots: torch.Tensor  # [T]: where they go in the copy
     seq_ids: frozenset  # every sequence of the step
     decode_rows: Optional[torch.Tensor]  # rows of the step's one-token chunks (mirror rows to update)
@@ -220,6 +219,10 @@ class LlamaWorker:
         self._back_pending: collections.deque[_Writeback] = collections.deque()
         self._back_stale = False  # a step too large for the ring ran: no more BACK moves
         self._back_allowed = True  # set_move_back
+        # Bytes of one token's keys and values of one layer on this rank (the ring back's unit).
+        self._kv_row_bytes = (
+            2 * self.layout.num_local_kv_heads * self.args.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        )
         self.prepack_weights = bool(prepack_weights)
         self.decode_kernel = bool(decode_kernel)
         self.norm_rope_kernels = bool(norm_rope_kernels)  # and loaded: see load_model
@@ -298,7 +301,7 @@ class LlamaWorker:
         """The ring from the last stage to the one before it; where any pair of ranks cannot have one,
         no rank moves attention back (every rank must decide moves alike)."""
         ctx, layout = self.ctx, self.layout
-        capacity = (ctx.pp_size + 1) * BACK_RING_TOKENS * self._back_row_bytes()
+        capacity = (ctx.pp_size + 1) * BACK_RING_TOKENS * self._kv_row_bytes
         if layout.lends_back:
             self._back_out = ShmHandoffSender.offer(
                 ctx.global_rank - ctx.tp_size, capacity=capacity, timeout_s=self.dist_timeout_s
@@ -317,11 +320,6 @@ class LlamaWorker:
                     ring.close()
             self._back_in = self._back_out = None
             self.layout = replace(layout, move_boundary_back=False)
-
-    def _back_row_bytes(self) -> int:
-        """Bytes of one token's keys and values of one layer on this rank."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.layout.num_local_kv_heads * self.args.head_dim * itemsize
 
     def load_model(self) -> dict[str, Any]:
         """Builds this rank's stage, loads its weight shards and allocates its KV cache.
@@ -555,7 +553,6 @@ class LlamaWorker:
         dec = step.decode
         self._back_pending.append(
             _Writeback(
-                tokens=step.num_tokens,
                 slots=step.slot_mapping,
                 seq_ids=frozenset(c.seq_id for c in batch.chunks),
                 decode_rows=dec.rows if dec is not None else None,
@@ -569,15 +566,16 @@ class LlamaWorker:
         ring, pending = self._back_in, self._back_pending
         if ring is None or not pending or self.cache is None:
             return
-        row_bytes = self._back_row_bytes()
+        row_bytes = self._kv_row_bytes
         seqs = {c.seq_id for c in batch.chunks} if wait else set()
         layer = self.cache.layer(self.layout.borrowed_next)
         while pending:
             head = pending[0]
-            if ring.available() < head.tokens * row_bytes and not any(seqs & e.seq_ids for e in pending):
+            tokens = head.slots.numel()
+            if ring.available() < tokens * row_bytes and not any(seqs & e.seq_ids for e in pending):
                 break
             kv = torch.empty(
-                (head.tokens, 2, self.layout.num_local_kv_heads, self.args.head_dim), dtype=self.dtype, device=self.device
+                (tokens, 2, self.layout.num_local_kv_heads, self.args.head_dim), dtype=self.dtype, device=self.device
             )
             ring.recv_into(kv)  # waits only when a sequence of this step needs it
             pending.popleft()

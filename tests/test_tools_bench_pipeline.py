@@ -37,6 +37,26 @@ def test_phase_stats_name_the_slower_stage():
     assert out["dispatch_ms"] == pytest.approx(0.1)
 
 
+def test_a_run_line_takes_the_decode_figures_from_decode_batches_only():
+    # The same timeline as above, plus a prompt batch (5) first: 512 tokens in 4 chunks.
+    stage0 = {5: _s(-80, -79.9, -40), 0: _s(0, 0.1, 10), 1: _s(10.2, 10.3, 20.2), 2: _s(22.4, 22.5, 32.4),
+              3: _s(34.8, 34.9, 44.8)}
+    stage1 = {5: _s(-79.9, -39.8, -0.2), 0: _s(0.05, 10.1, 22.1), 1: _s(22.4, 22.5, 34.5), 2: _s(34.8, 34.9, 46.9),
+              3: _s(47.2, 47.3, 59.3)}
+    batches = [(5, *_s(-80, -0.1), 4, 512), (0, *_s(0, 22.3), 32, 32), (1, *_s(0, 34.7), 32, 32),
+               (2, *_s(22.3, 47.1), 32, 32), (3, *_s(34.7, 59.5), 32, 32)]
+
+    line = bench_pipeline._run_line(0.25, [stage0, stage1], batches)
+
+    assert line["decode_stage_ms_per_batch"] == [9.9, 12.0]  # the prompt batch's 39.9 ms left out
+    assert line["decode_period_ms"] == pytest.approx(12.4)
+    # Compute (inputs in to end) of all five batches on both stages (39.9 + 4 x 9.9 ms and
+    # 39.6 + 4 x 12 ms), over 2 x 0.25 s.
+    assert line["work_s"] == pytest.approx(0.0795 + 0.0876, abs=1e-3)
+    assert line["utilization"] == pytest.approx(line["work_s"] / 0.5, abs=2e-3)
+    assert line["output_tokens_per_s"] == pytest.approx(bench_pipeline.NUM_PROMPTS * bench_pipeline.OUTPUT_LEN / 0.25)
+
+
 def test_phase_stats_one_stage_has_no_queue():
     stage0 = {0: _s(0.5, 0.6, 10), 1: _s(10.5, 10.6, 20)}
     engine = {0: _s(0, 10.2), 1: _s(10.2, 20.2)}

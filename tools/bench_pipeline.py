@@ -34,7 +34,8 @@ tools/bench_throughput.py instead (once, with the engine's batches in flight); t
 the per-stage lists hold one entry per rank in global-rank order, e.g. TP2's two ranks
 of one stage. `--alternate ROUNDS` measures the overlap instead: one PP2 session whose
 runs alternate between two batches in flight and one (`Engine.set_max_inflight`), one
-line per run (with its `work_s`, both stages' compute, and `utilization`), then
+line per run (with its `work_s`, both stages' compute, `utilization`, and its decode
+steps' `decode_stage_ms_per_batch` and `decode_period_ms`), then
 {"bench": "pipeline_overlap", "ratio_of_medians": ..., ...}. Each pair's ratio splits
 exactly into `pair_work_ratios` (the one-batch run's work over the two-batch run's: below
 1 when two smaller batches cost more) times `pair_utilization_ratios` (the two-batch
@@ -153,6 +154,38 @@ def _pin_driver(cpu: Optional[int]) -> None:
         os.sched_setaffinity(int(tid), {cpu})
 
 
+def _traced_generate(llm, prompts: list, params) -> tuple[float, list[dict], list[tuple]]:
+    """One timed `generate` of `prompts`: (seconds, the ranks' timelines as `_timelines` gives them, the engine's batch trace)."""
+    llm.supervisor.collective_rpc("get_step_trace", kwargs={"clear": True})
+    llm.engine.get_batch_trace(clear=True)
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    run_s = time.perf_counter() - start
+    return run_s, _timelines(llm.supervisor.collective_rpc("get_step_trace")), llm.engine.get_batch_trace()
+
+
+def _is_prefill(chunks: int, tokens: int) -> bool:
+    # More tokens than chunks: some chunk is a prompt's (decode chunks hold one token).
+    return tokens > chunks
+
+
+def _run_line(run_s: float, stages: list[dict], batches: list[tuple]) -> dict:
+    """An alternating run's figures: speed, both stages' compute, utilization, and its decode steps' stage times and period."""
+    compute = _compute_seconds(stages)
+    line = {
+        "output_tokens_per_s": round(NUM_PROMPTS * OUTPUT_LEN / run_s, 1),
+        "work_s": round(sum(compute), 3),
+        "utilization": round(_utilization(compute, run_s), 3),
+    }
+    decode = [b for b, _, _, chunks, tokens in batches if not _is_prefill(chunks, tokens)]
+    if decode:
+        engine = {b: (submitted, seen) for b, submitted, seen, _, _ in batches}
+        phase = _phase_stats(decode, stages, 1, engine)
+        line["decode_stage_ms_per_batch"] = phase["stage_ms_per_batch"]
+        line["decode_period_ms"] = phase.get("period_ms")
+    return line
+
+
 def run(config: str, max_inflight: Optional[int], dtype: str, engine_options: dict, pin_driver: Optional[int] = None) -> dict:
     from scheduling import LLM, SamplingParams
 
@@ -164,22 +197,13 @@ def run(config: str, max_inflight: Optional[int], dtype: str, engine_options: di
         specs = _workload(llm.args.vocab_size)
         params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
         llm.generate([s.prompt_token_ids for s in specs[:WARMUP]], params)
-        llm.supervisor.collective_rpc("get_step_trace", kwargs={"clear": True})
-        llm.engine.get_batch_trace(clear=True)
-        t0 = time.perf_counter()
-        llm.generate([s.prompt_token_ids for s in specs[WARMUP:]], params)
-        t1 = time.perf_counter()
-        raw = llm.supervisor.collective_rpc("get_step_trace")
-        batches = llm.engine.get_batch_trace()
+        run_s, stages, batches = _traced_generate(llm, [s.prompt_token_ids for s in specs[WARMUP:]], params)
         layer_split = list(llm.layer_split)
         budget = llm.scheduler.max_num_batched_tokens
-    stages = _timelines(raw)
     engine = {b: (submitted, seen) for b, submitted, seen, _, _ in batches}
-    run_s = t1 - t0
     phases = {}
     for name, prompt in (("prefill", True), ("decode", False)):
-        # More tokens than chunks: some chunk is a prompt's (decode chunks hold one token).
-        ids = [b for b, _, _, chunks, tokens in batches if (tokens > chunks) == prompt]
+        ids = [b for b, _, _, chunks, tokens in batches if _is_prefill(chunks, tokens) == prompt]
         if ids:
             phases[name] = _phase_stats(ids, stages, options["tp"], engine)
     submits = sorted(submitted for _, submitted, _, _, _ in batches)
@@ -253,24 +277,12 @@ def alternate(rounds: int, dtype: str, engine_options: dict, pin_driver: Optiona
         for r in range(rounds):
             for inflight in (2, 1) if r % 2 == 0 else (1, 2):
                 llm.engine.set_max_inflight(inflight)
-                llm.supervisor.collective_rpc("get_step_trace", kwargs={"clear": True})
-                start = time.perf_counter()
-                llm.generate(prompts, params)
-                run_s = time.perf_counter() - start
-                raw = llm.supervisor.collective_rpc("get_step_trace")
-                compute = _compute_seconds(_timelines(raw))
-                speed = NUM_PROMPTS * OUTPUT_LEN / run_s
-                speeds[inflight].append(speed)
+                run_s, stages, batches = _traced_generate(llm, prompts, params)
+                compute = _compute_seconds(stages)
+                speeds[inflight].append(NUM_PROMPTS * OUTPUT_LEN / run_s)
                 work[inflight].append(sum(compute))
                 utilization[inflight].append(_utilization(compute, run_s))
-                line = {
-                    "bench": "pipeline_run",
-                    "round": r,
-                    "max_inflight": inflight,
-                    "output_tokens_per_s": round(speed, 1),
-                    "work_s": round(sum(compute), 3),
-                    "utilization": round(utilization[inflight][-1], 3),
-                }
+                line = {"bench": "pipeline_run", "round": r, "max_inflight": inflight, **_run_line(run_s, stages, batches)}
                 print(json.dumps(line), flush=True)
                 lines.append(line)
     summary = {
@@ -306,23 +318,15 @@ def alternate_back(rounds: int, dtype: str, engine_options: dict) -> list[dict]:
                 if back and not all(able):
                     raise SystemExit("this layout keeps no copy to move attention back (LlamaWorker.set_move_back)")
                 llm.engine.set_max_inflight(inflight)
-                llm.supervisor.collective_rpc("get_step_trace", kwargs={"clear": True})
-                start = time.perf_counter()
-                llm.generate(prompts, params)
-                run_s = time.perf_counter() - start
-                compute = _compute_seconds(_timelines(llm.supervisor.collective_rpc("get_step_trace")))
+                run_s, stages, batches = _traced_generate(llm, prompts, params)
+                compute = _compute_seconds(stages)
                 key = (back, inflight)
                 speeds[key].append(NUM_PROMPTS * OUTPUT_LEN / run_s)
                 work[key].append(sum(compute))
                 utilization[key].append(_utilization(compute, run_s))
                 line = {
-                    "bench": "pipeline_run",
-                    "round": r,
-                    "move_back": back,
-                    "max_inflight": inflight,
-                    "output_tokens_per_s": round(speeds[key][-1], 1),
-                    "work_s": round(sum(compute), 3),
-                    "utilization": round(utilization[key][-1], 3),
+                    "bench": "pipeline_run", "round": r, "move_back": back, "max_inflight": inflight,
+                    **_run_line(run_s, stages, batches),
                 }
                 print(json.dumps(line), flush=True)
                 lines.append(line)
