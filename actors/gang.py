@@ -12,6 +12,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import random
 import signal
 import socket
 import threading
@@ -77,7 +78,37 @@ def spin_us(world_size: int) -> float:
     return 100.0 if world_size + 1 <= len(os.sched_getaffinity(0)) else 0.0
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+# Where rendezvous ports are looked for: below the kernel's ephemeral range.
+_RENDEZVOUS_PORTS = (10000, 32768)
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _RENDEZVOUS_PORTS[1]
+
+
+def free_port(host: str = "127.0.0.1", tries: int = 64) -> int:
+    """A TCP port free on `host` now, for a rendezvous that binds it a little later.
+
+    A port the kernel hands out for bind(0) comes from its ephemeral range, which every
+    outgoing connection and every other bind(0) on the host (Ray starts dozens) draws from
+    too, so between this check and the rendezvous binding it, another socket could take it
+    (EADDRINUSE). A port below that range is only ever taken by a process asking for that
+    very number: a random one of those that binds now is returned, else a bind(0) port.
+    """
+    high = min(_RENDEZVOUS_PORTS[1], _ephemeral_low())
+    rng = random.SystemRandom()
+    for _ in range(tries if high > _RENDEZVOUS_PORTS[0] else 0):
+        port = rng.randrange(_RENDEZVOUS_PORTS[0], high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

@@ -86,3 +86,21 @@ def test_the_models_preload_starts_no_thread():
     assert done.returncode == 0, done.stderr
     before, after = done.stdout.split()
     assert before == after
+
+
+def test_rendezvous_ports_come_from_below_the_ephemeral_range(monkeypatch):
+    """Other sockets' bind(0) and outgoing connections draw from the ephemeral range, so a
+    rendezvous port is taken below it, where nothing takes a port it did not ask for."""
+    import socket
+
+    from actors import gang
+
+    low = gang._ephemeral_low()
+    for _ in range(20):
+        port = gang.free_port()
+        assert gang._RENDEZVOUS_PORTS[0] <= port < min(low, gang._RENDEZVOUS_PORTS[1])
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))  # free when returned
+    # No room below the range (a range that starts at 10000): the kernel's bind(0) picks.
+    monkeypatch.setattr(gang, "_ephemeral_low", lambda: gang._RENDEZVOUS_PORTS[0])
+    assert gang.free_port() >= low
