@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import numbers
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +42,11 @@ MAX_NUM_BATCHED_TOKENS = 8192
 PP_MAX_NUM_BATCHED_TOKENS = 512
 
 Prompt = Union[str, Sequence[int]]
+
+
+def _is_token_id(t: Any) -> bool:
+    # numpy's integers count; bool is an int to Python but never a token.
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
 def default_max_num_batched_tokens(pp: int) -> int:
@@ -309,8 +315,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates a continuation of each prompt; outputs come back in prompt order.
 
-        A prompt is a string (needs the model's tokenizer) or a list of token ids;
-        one prompt may be given on its own. `params` is one SamplingParams for
+        A prompt is a string (needs the model's tokenizer) or a list of token ids
+        (Python or numpy integers; a 1-D tensor or array is one such list, a 2-D one a
+        prompt per row); one prompt may be given on its own. Anything else raises
+        TypeError before any request is queued. `params` is one SamplingParams for
         every prompt or one per prompt (default: greedy, 16 tokens).
         `use_tqdm` shows a progress bar (default: on a terminal, for 16 prompts or more).
         """
@@ -346,8 +354,15 @@ class LLM:
     def _prompt_list(self, prompts: Union[Prompt, Sequence[Prompt]]) -> list[Prompt]:
         if isinstance(prompts, str):
             return [prompts]
-        prompts = list(prompts)
-        if prompts and all(isinstance(t, int) for t in prompts):
+        if hasattr(prompts, "tolist"):  # a tensor or array: one prompt (1-D) or one per row (2-D)
+            prompts = prompts.tolist()
+        try:
+            prompts = list(prompts)
+        except TypeError:
+            raise TypeError(
+                f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}"
+            ) from None
+        if prompts and all(_is_token_id(t) for t in prompts):
             return [prompts]  # one prompt of token ids
         return prompts
 
@@ -370,7 +385,19 @@ class LLM:
                 raise ValueError(f"{self.model} has no tokenizer: give prompts as lists of token ids")
             ids = list(self.tokenizer.encode(prompt))
         else:
-            ids = [int(t) for t in prompt]
+            if hasattr(prompt, "tolist"):
+                prompt = prompt.tolist()
+            try:
+                ids = list(prompt)
+            except TypeError:
+                raise TypeError(
+                    f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+                ) from None
+            # int() would turn 1.5 into token 1 and "7" into token 7: refuse instead.
+            wrong = next((t for t in ids if not _is_token_id(t)), None)
+            if wrong is not None:
+                raise TypeError(f"token ids must be integers, a prompt holds {wrong!r} ({type(wrong).__name__})")
+            ids = [int(t) for t in ids]
         vocab = self.args.vocab_size
         if not ids:
             raise ValueError("a prompt has no tokens")

@@ -14,6 +14,7 @@ import os
 import platform
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -234,7 +235,23 @@ class TestLayout:
             llm.generate([[1, 999]])
         with pytest.raises(ValueError, match="one per prompt"):
             llm.generate([[1], [2]], [SamplingParams()])
+        with pytest.raises(TypeError, match="token ids must be integers.*1.5"):
+            llm.generate([[1, 1.5]])  # not silently token 1
+        with pytest.raises(TypeError, match="token ids must be integers.*'7'"):
+            llm.generate([[1, 2], [3, "7"]])
+        with pytest.raises(TypeError, match="a prompt must be a string or a list of token ids, got float"):
+            llm.generate([[1, 2], 3.5])
+        with pytest.raises(TypeError, match="prompts must be .* got NoneType"):
+            llm.generate(None)
         assert not llm.engine.has_unfinished()
+
+    def test_token_ids_may_come_as_a_tensor_or_an_array(self, llm, reference):
+        _, expected, _ = reference
+        params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+        # One 1-D tensor is one prompt; a list of numpy arrays, one prompt each.
+        one = llm.generate(torch.tensor(MANY_PROMPTS[0]), params)
+        many = llm.generate([np.array(p, dtype=np.int64) for p in MANY_PROMPTS[:2]], params)
+        assert [o.token_ids for o in one + many] == [expected[0], expected[0], expected[1]]
 
 
 def test_default_model_with_text_prompts():
