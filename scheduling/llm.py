@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence, Union
 
 from typing_extensions import Self
 
-from actors import FaultPlan, RayOptions, Supervisor, SupervisionPolicy, prestart
+from actors import ConfigError, FaultPlan, RayOptions, Supervisor, SupervisionPolicy, prestart
 from models.config import load_config
 from scheduling.engine import Engine
 from scheduling.request import Request, RequestOutput
@@ -176,6 +176,10 @@ class LLM:
         backend: str = "mp",
         ray_options: Optional[RayOptions] = None,
     ) -> None:
+        for name, value in (("tp", tp), ("pp", pp)):
+            # Checked before anything starts: the CPU plan below divides by tp * pp.
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if backend == "mp":
             # The fork server imports the worker's modules (torch: about 2.5 s of CPU) once
             # for every rank, meanwhile this process finds the model and its tokenizer.

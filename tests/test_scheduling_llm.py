@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors import ActorDied, Fault, FaultPlan
+from actors import ActorDied, ConfigError, Fault, FaultPlan
 from scheduling import LLM, SamplingParams
 from models.prepack import prepack_supported
 from scheduling.llm import default_max_num_batched_tokens
@@ -252,6 +252,15 @@ class TestLayout:
         one = llm.generate(torch.tensor(MANY_PROMPTS[0]), params)
         many = llm.generate([np.array(p, dtype=np.int64) for p in MANY_PROMPTS[:2]], params)
         assert [o.token_ids for o in one + many] == [expected[0], expected[0], expected[1]]
+
+
+@pytest.mark.parametrize("sizes", [dict(tp=0), dict(pp=0), dict(tp=-1), dict(pp=1.5), dict(tp=True)])
+def test_a_parallel_size_below_one_or_not_an_integer_is_a_config_error(sizes):
+    # Refused before any process starts (the CPU plan divides by tp * pp).
+    name, value = next(iter(sizes.items()))
+    with pytest.raises(ConfigError, match=rf"{name} must be an integer >= 1, got {value!r}"):
+        LLM(**sizes)
+    assert not child_pids()
 
 
 def test_default_model_with_text_prompts():
