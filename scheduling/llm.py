@@ -176,7 +176,7 @@ class LLM:
         backend: str = "mp",
         ray_options: Optional[RayOptions] = None,
     ) -> None:
-        for name, value in (("tp", tp), ("pp", pp)):
+        for name, value in (("tp", tp), ("pp", pp), ("num_threads", 1 if num_threads is None else num_threads)):
             # Checked before anything starts: the CPU plan below divides by tp * pp.
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")

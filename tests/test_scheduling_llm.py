@@ -254,7 +254,9 @@ class TestLayout:
         assert [o.token_ids for o in one + many] == [expected[0], expected[0], expected[1]]
 
 
-@pytest.mark.parametrize("sizes", [dict(tp=0), dict(pp=0), dict(tp=-1), dict(pp=1.5), dict(tp=True)])
+@pytest.mark.parametrize(
+    "sizes", [dict(tp=0), dict(pp=0), dict(tp=-1), dict(pp=1.5), dict(tp=True), dict(num_threads=0)]
+)
 def test_a_parallel_size_below_one_or_not_an_integer_is_a_config_error(sizes):
     # Refused before any process starts (the CPU plan divides by tp * pp).
     name, value = next(iter(sizes.items()))
