@@ -278,8 +278,11 @@ class KVMirror:
         as they are (a refill reads the paged cache, which the caller writes first).
         """
         for entry in self.entries:
-            found = [(i, row) for i, row in ((i, entry.seq_row.get(s)) for i, s in enumerate(seq_ids)) if row is not None]
-            hits = [(i, row) for i, row in found if entry.row_len[row] > positions[i]]
+            hits = [
+                (i, row)
+                for i, s in enumerate(seq_ids)
+                if (row := entry.seq_row.get(s)) is not None and entry.row_len[row] > positions[i]
+            ]
             if not hits:
                 continue
             index = torch.tensor([i for i, _ in hits], dtype=torch.long, device=k.device)

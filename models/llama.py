@@ -280,13 +280,18 @@ class DecoderLayer(nn.Module):
         cache: LayerKV,
         kv: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         normed: Optional[torch.Tensor] = None,
+        kv_out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """x + attention(norm(x)): the residual stream between the layer's two halves.
 
         `kv` and `normed`: the keys and values of x and norm(x), where already computed.
+        `kv_out` [T, 2, kv_heads, head_dim], if given, gets a copy of the keys and values
+        (`input_kv`: what a pipeline stage sends to another stage's copy of the layer's cache).
         """
         assert self.self_attn is not None and self.input_layernorm is not None, "an MLP-only layer"
-        if normed is None:
+        if kv_out is not None:
+            normed, kv = self.input_kv(x, cos, sin, out=kv_out)
+        elif normed is None:
             normed = self.input_layernorm(x)
         if torch.is_grad_enabled():
             return x + self.self_attn(normed, cos, sin, step, cache, kv)
@@ -450,8 +455,7 @@ class LlamaStage(nn.Module):
             if next_kv is None:
                 raise ValueError("move=BACK needs next_kv to send the next stage's first layer's keys and values")
             layer = self.layers[str(self.borrowed_next)]
-            normed, (k, v) = layer.input_kv(h, cos, sin, out=next_kv)
-            h = layer.attention_half(h, cos, sin, step, cache.layer(self.borrowed_next), kv=(k, v), normed=normed)
+            h = layer.attention_half(h, cos, sin, step, cache.layer(self.borrowed_next), kv_out=next_kv)
         cache.end_step(step)
         return h
 
@@ -471,11 +475,11 @@ class LlamaStage(nn.Module):
             if move == BoundaryMove.LAYER:
                 raise ValueError("move=LAYER needs boundary_kv to send the layer's keys and values")
             return layer.attention_half(h, cos, sin, step, cache)  # move == MLP
-        normed, (k, v) = layer.input_kv(h, cos, sin, out=boundary_kv)
         if move == BoundaryMove.LAYER:
+            _, (k, v) = layer.input_kv(h, cos, sin, out=boundary_kv)
             cache.write(k, v, step.slot_mapping, step.decode)
             return h
-        h = layer.attention_half(h, cos, sin, step, cache, kv=(k, v), normed=normed)
+        h = layer.attention_half(h, cos, sin, step, cache, kv_out=boundary_kv)
         return h if move == BoundaryMove.MLP else layer.mlp_half(h)
 
     @staticmethod
@@ -493,8 +497,7 @@ class LlamaStage(nn.Module):
         if move == BoundaryMove.BACK:
             cache.write(next_kv[:, 0], next_kv[:, 1], step.slot_mapping, step.decode)
             return layer.mlp_half(h)
-        normed, (k, v) = layer.input_kv(h, cos, sin, out=next_kv)
-        return layer.mlp_half(layer.attention_half(h, cos, sin, step, cache, kv=(k, v), normed=normed))
+        return layer.mlp_half(layer.attention_half(h, cos, sin, step, cache, kv_out=next_kv))
 
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of the rows of hidden states `h` (last stage only)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import numbers
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +16,7 @@ from actors import ConfigError, FaultPlan, RayOptions, Supervisor, SupervisionPo
 from models.config import load_config
 from scheduling.engine import Engine
 from scheduling.request import Request, RequestOutput
-from scheduling.sampling_params import SamplingParams
+from scheduling.sampling_params import SamplingParams, is_int
 from scheduling.scheduler import Scheduler
 from scheduling.tokenizer import load_tokenizer
 
@@ -44,9 +43,14 @@ PP_MAX_NUM_BATCHED_TOKENS = 512
 Prompt = Union[str, Sequence[int]]
 
 
-def _is_token_id(t: Any) -> bool:
-    # numpy's integers count; bool is an int to Python but never a token.
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+def _listed(items: Any, what: str) -> list:
+    """`items` as a list (a tensor or array through its `tolist`), else TypeError saying what was expected."""
+    if hasattr(items, "tolist"):
+        items = items.tolist()
+    try:
+        return list(items)
+    except TypeError:
+        raise TypeError(f"{what}, got {type(items).__name__}") from None
 
 
 def default_max_num_batched_tokens(pp: int) -> int:
@@ -176,10 +180,12 @@ class LLM:
         backend: str = "mp",
         ray_options: Optional[RayOptions] = None,
     ) -> None:
-        for name, value in (("tp", tp), ("pp", pp), ("num_threads", 1 if num_threads is None else num_threads)):
+        sizes = {"tp": tp, "pp": pp, **({} if num_threads is None else {"num_threads": num_threads})}
+        for name, value in sizes.items():
             # Checked before anything starts: the CPU plan below divides by tp * pp.
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        tp, pp = int(tp), int(pp)
         if backend == "mp":
             # The fork server imports the worker's modules (torch: about 2.5 s of CPU) once
             # for every rank, meanwhile this process finds the model and its tokenizer.
@@ -358,17 +364,11 @@ class LLM:
     def _prompt_list(self, prompts: Union[Prompt, Sequence[Prompt]]) -> list[Prompt]:
         if isinstance(prompts, str):
             return [prompts]
-        if hasattr(prompts, "tolist"):  # a tensor or array: one prompt (1-D) or one per row (2-D)
-            prompts = prompts.tolist()
-        try:
-            prompts = list(prompts)
-        except TypeError:
-            raise TypeError(
-                f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}"
-            ) from None
-        if prompts and all(_is_token_id(t) for t in prompts):
+        # A tensor or array is one prompt (1-D) or one per row (2-D).
+        prompts = _listed(prompts, "prompts must be a string, a list of token ids, or a list of those")
+        if prompts and all(is_int(t) for t in prompts):
             return [prompts]  # one prompt of token ids
-        return prompts
+        return [p if isinstance(p, str) else _listed(p, "a prompt must be a string or a list of token ids") for p in prompts]
 
     @staticmethod
     def _param_list(
@@ -389,19 +389,11 @@ class LLM:
                 raise ValueError(f"{self.model} has no tokenizer: give prompts as lists of token ids")
             ids = list(self.tokenizer.encode(prompt))
         else:
-            if hasattr(prompt, "tolist"):
-                prompt = prompt.tolist()
-            try:
-                ids = list(prompt)
-            except TypeError:
-                raise TypeError(
-                    f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}"
-                ) from None
             # int() would turn 1.5 into token 1 and "7" into token 7: refuse instead.
-            wrong = next((t for t in ids if not _is_token_id(t)), None)
+            wrong = next((t for t in prompt if not is_int(t)), None)
             if wrong is not None:
                 raise TypeError(f"token ids must be integers, a prompt holds {wrong!r} ({type(wrong).__name__})")
-            ids = [int(t) for t in ids]
+            ids = [int(t) for t in prompt]
         vocab = self.args.vocab_size
         if not ids:
             raise ValueError("a prompt has no tokens")

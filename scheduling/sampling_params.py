@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -12,9 +13,9 @@ from models.batch import SamplingOptions
 __all__ = ["SamplingParams"]
 
 
-def _is_int(value: Any) -> bool:
-    # bool is an int subclass; True as max_tokens is a bug, not a 1.
-    return isinstance(value, int) and not isinstance(value, bool)
+def is_int(value: Any) -> bool:
+    """An integer, Python's or numpy's; not a bool (an int subclass: True as max_tokens is a bug, not a 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -51,7 +52,7 @@ class SamplingParams:
     logprobs: bool = False
 
     def __post_init__(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if (
             isinstance(self.temperature, bool)
@@ -60,16 +61,16 @@ class SamplingParams:
             or self.temperature < 0
         ):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
+        if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Sequence):
             raise ValueError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}")
         stop = tuple(self.stop_token_ids)
-        if not all(_is_int(t) and t >= 0 for t in stop):
+        if not all(is_int(t) and t >= 0 for t in stop):
             raise ValueError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")

@@ -255,19 +255,21 @@ def _overlap(speeds: dict[int, list[float]], work: dict[int, list[float]], utili
     }
 
 
-def alternate(rounds: int, dtype: str, engine_options: dict, pin_driver: Optional[int] = None) -> list[dict]:
-    """PP2's overlap measured in one session: runs alternate between two batches in flight and one.
+def _alternating(
+    arms: list, rounds: int, dtype: str, engine_options: dict, configure, pin_driver: Optional[int] = None
+) -> tuple[list[dict], dict, dict, dict]:
+    """One PP2 session that runs every arm once a round, in order, the order reversed every other round.
 
-    On a machine whose speed drifts, pairs taken side by side in one process compare
-    better than two separate runs: the same ranks, warm, a few seconds apart, the order
-    flipped every round.
+    `configure(llm, arm)` sets the gang up for the arm between runs and returns the arm's
+    fields for its line. Prints one line per run; returns the lines and, keyed by arm,
+    each run's output tokens/s, work (seconds both stages computed) and utilization.
     """
     from scheduling import LLM, SamplingParams
 
     lines = []
-    speeds: dict[int, list[float]] = {2: [], 1: []}
-    work: dict[int, list[float]] = {2: [], 1: []}  # seconds both stages computed, per run
-    utilization: dict[int, list[float]] = {2: [], 1: []}  # per run
+    speeds: dict = {arm: [] for arm in arms}
+    work: dict = {arm: [] for arm in arms}
+    utilization: dict = {arm: [] for arm in arms}
     with LLM(model=None, dtype=dtype, **{**CONFIGS["pp2"], **engine_options}) as llm:
         _pin_driver(pin_driver)
         specs = _workload(llm.args.vocab_size)
@@ -275,16 +277,32 @@ def alternate(rounds: int, dtype: str, engine_options: dict, pin_driver: Optiona
         prompts = [s.prompt_token_ids for s in specs[WARMUP:]]
         llm.generate([s.prompt_token_ids for s in specs[:WARMUP]], params)
         for r in range(rounds):
-            for inflight in (2, 1) if r % 2 == 0 else (1, 2):
-                llm.engine.set_max_inflight(inflight)
+            for arm in arms if r % 2 == 0 else arms[::-1]:
+                fields = configure(llm, arm)
                 run_s, stages, batches = _traced_generate(llm, prompts, params)
                 compute = _compute_seconds(stages)
-                speeds[inflight].append(NUM_PROMPTS * OUTPUT_LEN / run_s)
-                work[inflight].append(sum(compute))
-                utilization[inflight].append(_utilization(compute, run_s))
-                line = {"bench": "pipeline_run", "round": r, "max_inflight": inflight, **_run_line(run_s, stages, batches)}
+                speeds[arm].append(NUM_PROMPTS * OUTPUT_LEN / run_s)
+                work[arm].append(sum(compute))
+                utilization[arm].append(_utilization(compute, run_s))
+                line = {"bench": "pipeline_run", "round": r, **fields, **_run_line(run_s, stages, batches)}
                 print(json.dumps(line), flush=True)
                 lines.append(line)
+    return lines, speeds, work, utilization
+
+
+def _set_inflight(llm, inflight: int) -> dict:
+    llm.engine.set_max_inflight(inflight)
+    return {"max_inflight": inflight}
+
+
+def alternate(rounds: int, dtype: str, engine_options: dict, pin_driver: Optional[int] = None) -> list[dict]:
+    """PP2's overlap measured in one session: runs alternate between two batches in flight and one.
+
+    On a machine whose speed drifts, pairs taken side by side in one process compare
+    better than two separate runs: the same ranks, warm, a few seconds apart, the order
+    flipped every round.
+    """
+    lines, speeds, work, utilization = _alternating([2, 1], rounds, dtype, engine_options, _set_inflight, pin_driver)
     summary = {
         "bench": "pipeline_overlap",
         "config": "pp2",
@@ -297,41 +315,21 @@ def alternate(rounds: int, dtype: str, engine_options: dict, pin_driver: Optiona
     return lines + [summary]
 
 
+def _set_back_and_inflight(llm, arm: tuple[bool, int]) -> dict:
+    back, inflight = arm
+    able = llm.supervisor.collective_rpc("set_move_back", args=(back,))
+    if back and not all(able):
+        raise SystemExit("this layout keeps no copy to move attention back (LlamaWorker.set_move_back)")
+    return {"move_back": back, **_set_inflight(llm, inflight)}
+
+
 def alternate_back(rounds: int, dtype: str, engine_options: dict) -> list[dict]:
     """PP2 with and without BACK moves, each with two batches in flight and one, in one session (see the module docstring)."""
-    from scheduling import LLM, SamplingParams
-
-    lines = []
-    arms = {True: "back", False: "no_back"}
-    speeds: dict = {(b, n): [] for b in arms for n in (2, 1)}
-    work: dict = {(b, n): [] for b in arms for n in (2, 1)}
-    utilization: dict = {(b, n): [] for b in arms for n in (2, 1)}
-    order = [(b, n) for b in arms for n in (2, 1)]
-    with LLM(model=None, dtype=dtype, **{**CONFIGS["pp2"], **engine_options}) as llm:
-        specs = _workload(llm.args.vocab_size)
-        params = SamplingParams(max_tokens=OUTPUT_LEN, ignore_eos=True)
-        prompts = [s.prompt_token_ids for s in specs[WARMUP:]]
-        llm.generate([s.prompt_token_ids for s in specs[:WARMUP]], params)
-        for r in range(rounds):
-            for back, inflight in order if r % 2 == 0 else order[::-1]:
-                able = llm.supervisor.collective_rpc("set_move_back", args=(back,))
-                if back and not all(able):
-                    raise SystemExit("this layout keeps no copy to move attention back (LlamaWorker.set_move_back)")
-                llm.engine.set_max_inflight(inflight)
-                run_s, stages, batches = _traced_generate(llm, prompts, params)
-                compute = _compute_seconds(stages)
-                key = (back, inflight)
-                speeds[key].append(NUM_PROMPTS * OUTPUT_LEN / run_s)
-                work[key].append(sum(compute))
-                utilization[key].append(_utilization(compute, run_s))
-                line = {
-                    "bench": "pipeline_run", "round": r, "move_back": back, "max_inflight": inflight,
-                    **_run_line(run_s, stages, batches),
-                }
-                print(json.dumps(line), flush=True)
-                lines.append(line)
+    names = {True: "back", False: "no_back"}
+    arms = [(back, n) for back in names for n in (2, 1)]
+    lines, speeds, work, utilization = _alternating(arms, rounds, dtype, engine_options, _set_back_and_inflight)
     summary: dict = {"bench": "pipeline_move_back", "dtype": dtype, "rounds": rounds}
-    for back, name in arms.items():
+    for back, name in names.items():
         pick = lambda d: {n: d[(back, n)] for n in (2, 1)}  # noqa: E731
         summary[name] = _overlap(pick(speeds), pick(work), pick(utilization))
     for n in (2, 1):
