@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from models import decode_attention
+from models import decode_attention, kv_write
 from models.kv_mirror import KVMirror
 
 if TYPE_CHECKING:
@@ -59,6 +59,7 @@ class LayerKV:
         mirror: Optional[KVMirror] = None,
         index: int = 0,
         decode_kernel: bool = False,
+        write_kernel: bool = False,
     ) -> None:
         self.k = k
         self.v = v
@@ -66,6 +67,14 @@ class LayerKV:
         self.mirror = mirror
         self.index = index  # this layer's place in the cache (and the mirror)
         self.decode_kernel = decode_kernel and mirror is not None
+        # Stores keys and values (and the mirror's new positions) in one numba call (models/kv_write.py),
+        # into the blocks viewed for it once, as [slots, kv_heads, head_dim].
+        self.write_kernel = write_kernel and kv_write.supports(k) and kv_write.supports(v)
+        self._paged_bits = (
+            (kv_write.bits(k.view(-1, *k.shape[2:])), kv_write.bits(v.view(-1, *v.shape[2:])))
+            if self.write_kernel
+            else None
+        )
 
     def write(
         self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, decode: Optional["DecodeGroup"] = None
@@ -78,10 +87,21 @@ class LayerKV:
         the next stage is written here and attended there), since `PagedKVCache.end_step`
         marks the rows valid for every layer at once.
         """
-        self._store(k, v, slots)
         plan = decode.mirror if decode is not None else None
-        if plan is not None and self.mirror is not None:
-            self.mirror.update_layer(plan, self.index, self.k, self.v, decode.take(k), decode.take(v))
+        paged = self._paged_bits
+        if plan is None or self.mirror is None:
+            if paged is None or not kv_write.write_kv(k, v, slots, paged):
+                self._store(k, v, slots)
+            return
+        # Rows refilled from the blocks before this step's tokens reach them: the new
+        # positions are written into the mirror next, with the rest of the group's.
+        self.mirror.refill_layer(plan, self.index, self.k, self.v)
+        if paged is not None:
+            mirror_k, mirror_v = plan.entry.layer_bits(self.index)
+            if kv_write.write_kv(k, v, slots, paged, (decode.rows, plan.rows, plan.positions, mirror_k, mirror_v)):
+                return
+        self._store(k, v, slots)
+        self.mirror.write_new(plan, self.index, decode.take(k), decode.take(v))
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         self.k.view(-1, *k.shape[1:]).index_copy_(0, slots, k)
@@ -172,6 +192,7 @@ class PagedKVCache:
         mirror_bytes: int = 0,
         mirror_entries: int = 1,
         decode_kernel: bool = True,
+        write_kernel: bool = False,
     ) -> None:
         self.layer_ids = list(layers)
         self.num_blocks = num_blocks
@@ -186,7 +207,7 @@ class PagedKVCache:
             else None
         )
         self._layers = {
-            layer: LayerKV(self.storage[i, 0], self.storage[i, 1], workspace, self.mirror, i, decode_kernel)
+            layer: LayerKV(self.storage[i, 0], self.storage[i, 1], workspace, self.mirror, i, decode_kernel, write_kernel)
             for i, layer in enumerate(self.layer_ids)
         }
 

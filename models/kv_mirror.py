@@ -32,7 +32,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
+import numpy as np
 import torch
+
+from models import kv_write
 
 if TYPE_CHECKING:
     from models.step import DecodeGroup
@@ -60,6 +63,15 @@ class _Entry:
         self.row_blocks: list[tuple[int, ...]] = [()] * rows  # block table prefix behind row_len
         self.seq_row: dict[int, int] = {}
         self.last_used = 0
+        self._bits: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def layer_bits(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """Layer `layer`'s key and value buffers [rows, kv_heads, len_cap, head_dim] as the KV
+        write kernel takes them (models/kv_write.py), viewed once per entry."""
+        views = self._bits.get(layer)
+        if views is None:
+            views = self._bits[layer] = (kv_write.bits(self.storage[layer, 0]), kv_write.bits(self.storage[layer, 1]))
+        return views
 
     @property
     def rows(self) -> int:
@@ -233,22 +245,12 @@ class KVMirror:
             entry.row_len[row] = new_len
             entry.row_blocks[row] = blocks
 
-    def update_layer(
-        self,
-        plan: MirrorPlan,
-        layer: int,
-        paged_k: torch.Tensor,
-        paged_v: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> None:
-        """Brings layer `layer`'s rows up to date: refills the rows the plan names, writes the new tokens.
+    def write_new(self, plan: MirrorPlan, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Writes the decode group's new keys and values k, v [B, kv_heads, head_dim] (batch order) into its rows.
 
-        paged_k/v: the layer's paged blocks [num_blocks, block_size, kv_heads, head_dim]
-        (already holding this step's tokens); k, v [B, kv_heads, head_dim]: the decode
-        group's new keys and values, in batch order.
+        Call after `refill_layer`, which copies whole blocks and so may leave a stale value
+        at a new position. `models.kv_write.write_kv` does the same in one call.
         """
-        self.refill_layer(plan, layer, paged_k, paged_v)
         buf_k, buf_v = plan.entry.kv[layer, 0], plan.entry.kv[layer, 1]
         buf_k.index_put_((plan.rows, plan.positions), k)
         buf_v.index_put_((plan.rows, plan.positions), v)
@@ -293,7 +295,7 @@ class KVMirror:
 
     @staticmethod
     def layer_view(plan: MirrorPlan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s keys and values [span, length, kv_heads, head_dim] (after `update_layer`).
+        """Layer `layer`'s keys and values [span, length, kv_heads, head_dim] (after `refill_layer` and `write_new`).
 
         A strided view whose transpose(1, 2) has contiguous [length, head_dim] runs per (row, head).
         """

@@ -48,7 +48,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from models import argmax, decode_attention, norm_rope
+from models import argmax, decode_attention, kv_write, norm_rope
 from models.batch import ModelBatch, ModelOutput
 from models.config import (
     BoundaryMove,
@@ -149,6 +149,9 @@ class LlamaWorker:
             numba kernels of models/norm_rope.py (float32 and bfloat16); False, or where
             numba is missing, keeps torch's ops. Process-wide (a rank is one process): a
             CPU worker loaded in a process that already runs another model sets it for both.
+        kv_write_kernel: on CPU, each layer stores its keys and values in the paged cache
+            and the KV mirror with one numba call (models/kv_write.py) instead of four
+            indexing ops; False, or where numba is missing, keeps torch's ops.
     """
 
     def __init__(
@@ -172,6 +175,7 @@ class LlamaWorker:
         move_boundary_attention: bool = True,
         move_boundary_back: bool = True,
         norm_rope_kernels: bool = True,
+        kv_write_kernel: bool = True,
     ) -> None:
         self.ctx = ctx
         self.where = f"rank (pp={ctx.pp}, tp={ctx.tp})"
@@ -226,6 +230,7 @@ class LlamaWorker:
         self.prepack_weights = bool(prepack_weights)
         self.decode_kernel = bool(decode_kernel)
         self.norm_rope_kernels = bool(norm_rope_kernels)  # and loaded: see load_model
+        self.kv_write_kernel = bool(kv_write_kernel)  # and loaded: see load_model
         # Before the weights and KV cache are allocated, so those too come from the heap.
         self.keeps_freed_memory = self.device.type == "cpu" and keep_freed_memory and _keep_freed_memory()
         self.num_packed = 0
@@ -354,6 +359,7 @@ class LlamaWorker:
             norm_rope.set_enabled(self.norm_rope_kernels)  # process-wide (see the option)
         else:
             self.norm_rope_kernels = False  # GPU tensors never take them; other models in this process keep theirs
+        self.kv_write_kernel = self.kv_write_kernel and self.device.type == "cpu" and kv_write.prepare()
         self.cache = PagedKVCache(
             layout.cache_layers,
             num_blocks,
@@ -365,6 +371,7 @@ class LlamaWorker:
             mirror_bytes=self.kv_mirror_bytes,
             mirror_entries=self.ctx.pp_size,  # one per batch group in flight
             decode_kernel=self.decode_kernel,
+            write_kernel=self.kv_write_kernel,
         )
         self.load_seconds = time.perf_counter() - start
         logger.info(
@@ -390,6 +397,7 @@ class LlamaWorker:
             "packed_weights": self.num_packed,
             "decode_kernel": self.decode_kernel,
             "norm_rope_kernels": self.norm_rope_kernels,
+            "kv_write_kernel": self.kv_write_kernel,
         }
 
     def _num_blocks(self) -> int:
@@ -676,6 +684,7 @@ class LlamaWorker:
             "packed_weights": self.num_packed,
             "decode_kernel": self.decode_kernel,
             "norm_rope_kernels": self.norm_rope_kernels,
+            "kv_write_kernel": self.kv_write_kernel,
             "keeps_freed_memory": self.keeps_freed_memory,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),

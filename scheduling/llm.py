@@ -124,6 +124,9 @@ class LLM:
         norm_rope_kernels: on CPU, RMSNorm and the rotation of queries and keys run in
             numba kernels (models/norm_rope.py); True by default, torch's ops where numba
             is missing.
+        kv_write_kernel: on CPU, each layer stores its keys and values in the paged cache
+            and the KV mirror with one numba call (models/kv_write.py); True by default,
+            torch's indexing ops where numba is missing.
         keep_freed_memory: on CPU, each rank's glibc keeps freed memory in the process
             (models/host_memory.py): faster large steps, RSS stays at its peak.
         max_num_seqs, max_num_batched_tokens: the most sequences / tokens in one batch;
@@ -165,6 +168,7 @@ class LLM:
         move_boundary_back: bool = True,
         shm_handoff: bool = True,
         norm_rope_kernels: bool = True,
+        kv_write_kernel: bool = True,
         keep_freed_memory: bool = True,
         max_num_seqs: int = 256,
         max_num_batched_tokens: Optional[int] = None,
@@ -233,6 +237,8 @@ class LLM:
             worker_kwargs["shm_handoff"] = False
         if not norm_rope_kernels:
             worker_kwargs["norm_rope_kernels"] = False
+        if not kv_write_kernel:
+            worker_kwargs["kv_write_kernel"] = False
         if num_threads is not None:
             worker_kwargs["num_threads"] = int(num_threads)
         if layer_split is not None:

@@ -95,13 +95,18 @@ class _Sim:
                 self.lens[seq] += 1
 
 
-def _cache(budget: int = 64 * 2**20, entries: int = 1) -> PagedKVCache:
-    return PagedKVCache(range(LAYERS), NUM_BLOCKS, BLOCK, HEADS, DIM, torch.float32, mirror_bytes=budget, mirror_entries=entries)
+def _cache(budget: int = 64 * 2**20, entries: int = 1, write_kernel: bool = False) -> PagedKVCache:
+    return PagedKVCache(
+        range(LAYERS), NUM_BLOCKS, BLOCK, HEADS, DIM, torch.float32, mirror_bytes=budget, mirror_entries=entries,
+        write_kernel=write_kernel,
+    )
 
 
+@pytest.mark.parametrize("write_kernel", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_rows_match_the_gather_while_sequences_join_leave_and_alternate(seed: int) -> None:
-    cache = _cache(entries=2)
+def test_rows_match_the_gather_while_sequences_join_leave_and_alternate(seed: int, write_kernel: bool) -> None:
+    cache = _cache(entries=2, write_kernel=write_kernel)
+    assert all(cache.layer(i).write_kernel == write_kernel for i in range(LAYERS))
     sim = _Sim(cache, seed)
     rng = random.Random(seed)
     groups: list[list[int]] = [[sim.add(rng.randint(1, 9)) for _ in range(5)] for _ in range(2)]

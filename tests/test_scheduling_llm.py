@@ -119,9 +119,9 @@ class TestLayout:
             assert all(s["packed_weights"] > 0 for s in stats)
         assert all(s["keeps_freed_memory"] == host_has_glibc() for s in stats)
         # ... and attended its decode steps with the kernel, built while loading, as were the
-        # RMSNorm and rotary kernels.
+        # RMSNorm, rotary and KV write kernels.
         if importlib.util.find_spec("numba") is not None:
-            assert all(s["decode_kernel"] and s["norm_rope_kernels"] for s in stats)
+            assert all(s["decode_kernel"] and s["norm_rope_kernels"] and s["kv_write_kernel"] for s in stats)
         # With a pipeline the last stage holds the MLP of the layer before its own; both
         # sides of the boundary agreed, step by step, on where it ran.
         pp, tp = llm.supervisor.pp_size, llm.supervisor.tp_size
@@ -363,18 +363,19 @@ def test_attention_moved_back_to_the_stage_before_changes_no_token(heavy_head, t
 
 
 def test_plain_weights_and_default_malloc_give_the_same_tokens(reference):
-    """prepack_weights, keep_freed_memory, decode_kernel, move_boundary_mlp, shm_handoff and norm_rope_kernels
-    off reach every rank and change no token."""
+    """prepack_weights, keep_freed_memory, decode_kernel, move_boundary_mlp, shm_handoff, norm_rope_kernels and
+    kv_write_kernel off reach every rank and change no token."""
     path, expected, _ = reference
     with LLM(
         path, tp=2, pp=2, block_size=BLOCK, prepack_weights=False, keep_freed_memory=False, decode_kernel=False,
-        move_boundary_mlp=False, shm_handoff=False, norm_rope_kernels=False, start_timeout=120.0,
+        move_boundary_mlp=False, shm_handoff=False, norm_rope_kernels=False, kv_write_kernel=False, start_timeout=120.0,
     ) as llm:
         pids = llm.supervisor.pids
         stats = llm.supervisor.collective_rpc("get_stats")
-        assert [(s["packed_weights"], s["keeps_freed_memory"], s["decode_kernel"], s["norm_rope_kernels"]) for s in stats] == [
-            (0, False, False, False)
-        ] * 4
+        assert [
+            (s["packed_weights"], s["keeps_freed_memory"], s["decode_kernel"], s["norm_rope_kernels"], s["kv_write_kernel"])
+            for s in stats
+        ] == [(0, False, False, False, False)] * 4
         assert [(s["handoff_in"], s["handoff_out"]) for s in stats] == [(None, "dist")] * 2 + [("dist", None)] * 2
         outputs = llm.generate(MANY_PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
         assert [o.token_ids for o in outputs] == expected
