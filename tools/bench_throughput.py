@@ -55,6 +55,7 @@ ENGINE_SWITCHES = (
     ("--no-move-back", "move_boundary_back", "the last stage's first attention half never runs on the stage before (LLM move_boundary_back=False)"),
     ("--no-shm-handoff", "shm_handoff", "hidden states between stages through gloo send/recv (LLM shm_handoff=False)"),
     ("--no-norm-rope", "norm_rope_kernels", "torch's ops for RMSNorm and rotary embeddings (LLM norm_rope_kernels=False)"),
+    ("--no-kv-write", "kv_write_kernel", "torch's indexing ops to store keys and values (LLM kv_write_kernel=False)"),
 )
 
 
