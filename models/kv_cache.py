@@ -68,13 +68,17 @@ class LayerKV:
         self.index = index  # this layer's place in the cache (and the mirror)
         self.decode_kernel = decode_kernel and mirror is not None
         # Stores keys and values (and the mirror's new positions) in one numba call (models/kv_write.py),
-        # into the blocks viewed for it once, as [slots, kv_heads, head_dim].
-        self.write_kernel = write_kernel and kv_write.supports(k) and kv_write.supports(v)
+        # into the blocks viewed for it once, as [slots, kv_heads, head_dim]; None: torch's ops.
         self._paged_bits = (
             (kv_write.bits(k.view(-1, *k.shape[2:])), kv_write.bits(v.view(-1, *v.shape[2:])))
-            if self.write_kernel
+            if write_kernel and kv_write.supports(k) and kv_write.supports(v)
             else None
         )
+
+    @property
+    def write_kernel(self) -> bool:
+        """Whether `write` stores with the KV write kernel (where its inputs allow)."""
+        return self._paged_bits is not None
 
     def write(
         self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, decode: Optional["DecodeGroup"] = None

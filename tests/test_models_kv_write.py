@@ -98,7 +98,7 @@ def test_what_the_kernel_cannot_take_is_left_to_torch() -> None:
 
 
 def test_a_cache_layer_stores_alike_with_and_without_the_kernel() -> None:
-    """LayerKV.write, prompt and decode tokens of one step, strided inputs included."""
+    """LayerKV.write without a decode group (a prompt step's tokens), contiguous and strided inputs."""
     caches = [PagedKVCache([0], BLOCKS, BLOCK, HEADS, DIM, torch.bfloat16, write_kernel=w) for w in (False, True)]
     assert [c.layer(0).write_kernel for c in caches] == [False, True]
     kv = torch.randn(5, 2, HEADS, DIM).to(torch.bfloat16)
