@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import resource
@@ -359,6 +360,9 @@ def main() -> None:
     add_engine_switches(parser)
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one configuration here
     args = parser.parse_args()
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        # Before the runs, not minutes later when the chart is drawn.
+        parser.error("--plot needs matplotlib: pip install -e '.[plot]'")
     shape = Workload(args.num_prompts, args.input_len, args.output_len)
     engine_options: dict = switched_off(args)
     if args.max_num_batched_tokens:
