@@ -6,6 +6,10 @@ waits for the oldest future only, because a pipeline returns batches in the
 order it took them and the oldest is the one that frees a slot first. Results
 are matched to batches by future, never by arrival order.
 
+The engine checks, for every batch before it is submitted, that none of its
+sequences is already in an in-flight batch (or twice in the batch): the
+scheduler is built never to do that, and the engine does not take it on trust.
+
 Every batch leaves the queue through `_complete`, the one place that applies an
 output or handles a failed batch: its requests go back to the scheduler; a
 retryable error (`actors.GangRestarted`: the gang was replaced) is recovered
@@ -56,6 +60,7 @@ class Engine:
             scheduler.num_groups = self.max_inflight
         self.step_timeout = step_timeout
         self._queue: collections.deque[tuple[ModelBatch, Future]] = collections.deque()
+        self._owner: dict[int, int] = {}  # seq id -> id of the in-flight batch that holds it
         self._submitted: dict[int, tuple[float, int]] = {}  # batch id -> (when submitted, tokens)
         self._trace: collections.deque = collections.deque(maxlen=BATCH_TRACE_LEN)
         self.num_batches = 0
@@ -99,6 +104,7 @@ class Engine:
             self.schedule_seconds += time.perf_counter() - start
             if batch is None:
                 break
+            self._claim(batch)
             future = self._submit(batch)
             queue.append((batch, future))
             if len(queue) > self.peak_in_flight:
@@ -110,6 +116,25 @@ class Engine:
                 raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
             return []
         return self._complete()
+
+    def _claim(self, batch: ModelBatch) -> None:
+        """Records the batch's sequences as in flight; AssertionError if one already is, or is in it twice."""
+        owner = self._owner
+        seqs = [chunk.seq_id for chunk in batch.chunks]
+        clash = {seq: owner[seq] for seq in seqs if seq in owner}
+        if clash or len(set(seqs)) != len(seqs):
+            # Raised, not `assert`ed, so that `python -O` keeps the check.
+            twice = sorted({seq for seq in seqs if seqs.count(seq) > 1})
+            raise AssertionError(
+                f"batch {batch.batch_id} would put a request in two in-flight batches: "
+                f"sequences already in flight (seq id -> batch) {clash or {}}, twice in the batch {twice}"
+            )
+        for seq in seqs:
+            owner[seq] = batch.batch_id
+
+    def _release(self, batch: ModelBatch) -> None:
+        for chunk in batch.chunks:
+            self._owner.pop(chunk.seq_id, None)
 
     def _submit(self, batch: ModelBatch) -> Future:
         tokens = sum(len(c.token_ids) for c in batch.chunks)
@@ -133,12 +158,14 @@ class Engine:
         except Exception as exc:
             self._submitted.pop(batch.batch_id, None)
             self._queue.popleft()
+            self._release(batch)
             self.scheduler.requeue(batch)
             if not getattr(exc, "retryable", False):
                 raise
             self._recover(exc)
             return []
         self._queue.popleft()
+        self._release(batch)
         start = time.perf_counter()
         submitted, tokens = self._submitted.pop(batch.batch_id)
         self._trace.append((batch.batch_id, submitted, start, len(batch.chunks), tokens))
@@ -154,6 +181,7 @@ class Engine:
         while self._queue:
             batch, future = self._queue.popleft()
             self._submitted.pop(batch.batch_id, None)
+            self._release(batch)
             try:
                 future.result()  # bounded by the call's deadline
             except Exception as late:  # noqa: BLE001 - dropped either way
@@ -167,11 +195,13 @@ class Engine:
         while self._queue:
             batch, future = self._queue.popleft()
             self._submitted.pop(batch.batch_id, None)
+            self._release(batch)
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 future.result(timeout=left)
             except BaseException as exc:  # noqa: BLE001 - results of aborted work do not matter
                 logger.debug("aborted batch ended with %s", type(exc).__name__)
+        self._owner.clear()  # a batch scheduled but refused by _claim was never queued
         return self.scheduler.abort_all()
 
     def get_batch_trace(self, clear: bool = False) -> list[tuple[int, float, float, int, int]]:

@@ -176,3 +176,60 @@ def test_a_retryable_failure_recomputes_every_running_request(max_inflight):
     assert engine.stats()["num_recoveries"] == 1 and gang.restart_batch is None
     assert all(r.num_preemptions >= 1 for r in reqs)
     assert_matches_reference(reqs)
+
+
+class RepeatingScheduler(Scheduler):
+    """A broken scheduler: its second batch carries a sequence of its first (or one sequence twice)."""
+
+    def __init__(self, *args: Any, twice_in_one: bool = False, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.first: Optional[ModelBatch] = None
+        self.twice_in_one = twice_in_one
+
+    def schedule(self) -> Optional[ModelBatch]:
+        batch = super().schedule()
+        if batch is None:
+            return None
+        if self.twice_in_one:
+            return ModelBatch(batch.batch_id, [*batch.chunks, batch.chunks[0]])
+        if self.first is None:
+            self.first = batch
+            return batch
+        return ModelBatch(batch.batch_id, [*batch.chunks, self.first.chunks[0]])
+
+
+@pytest.mark.parametrize("twice_in_one", [False, True], ids=["two-batches", "one-batch"])
+def test_the_engine_refuses_a_request_in_two_in_flight_batches(twice_in_one):
+    gang = FakeGang(2, block_size=4)
+    scheduler = RepeatingScheduler(8, 64, 64, 4, 48, twice_in_one=twice_in_one)
+    engine = Engine(gang, scheduler)  # type: ignore[arg-type]
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=6)) for i, p in enumerate(prompts(4, 5))]
+    for r in reqs:
+        engine.add_request(r)
+    with pytest.raises(AssertionError, match="would put a request in two in-flight batches") as exc:
+        engine.step()
+    seq = reqs[0].seq_id
+    if twice_in_one:
+        assert f"twice in the batch [{seq}]" in str(exc.value)
+        assert not gang.pending  # refused before anything was submitted
+    else:
+        assert f"{{{seq}: 0}}" in str(exc.value)  # sequence -> the in-flight batch that holds it
+        assert [b.batch_id for b, _ in gang.pending] == [0]  # the first went out, the second did not
+    dropped = engine.abort()
+    assert sorted(r.request_id for r in dropped) == sorted(r.request_id for r in reqs)
+    assert not engine.has_unfinished() and not engine._owner
+
+
+def test_sequences_leave_the_in_flight_record_with_their_batch():
+    # A correct scheduler passes the check on every batch, through failures and restarts too.
+    gang = FakeGang(2, block_size=4, fail_batch=3, restart_batch=6)
+    engine = make_engine(gang)
+    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=6)) for i, p in enumerate(prompts(5, 5))]
+    for r in reqs:
+        engine.add_request(r)
+    with pytest.raises(RuntimeError, match="batch 3 failed"):
+        run(engine)
+    assert set(engine._owner) == {c.seq_id for b, _ in engine._queue for c in b.chunks}
+    run(engine)
+    assert engine.stats()["num_recoveries"] == 1 and not engine._owner
+    assert_matches_reference(reqs)
