@@ -127,7 +127,7 @@ class Engine:
             twice = sorted({seq for seq in seqs if seqs.count(seq) > 1})
             raise AssertionError(
                 f"batch {batch.batch_id} would put a request in two in-flight batches: "
-                f"sequences already in flight (seq id -> batch) {clash or {}}, twice in the batch {twice}"
+                f"sequences already in flight (seq id -> batch) {clash}, twice in the batch {twice}"
             )
         for seq in seqs:
             owner[seq] = batch.batch_id
@@ -201,7 +201,6 @@ class Engine:
                 future.result(timeout=left)
             except BaseException as exc:  # noqa: BLE001 - results of aborted work do not matter
                 logger.debug("aborted batch ended with %s", type(exc).__name__)
-        self._owner.clear()  # a batch scheduled but refused by _claim was never queued
         return self.scheduler.abort_all()
 
     def get_batch_trace(self, clear: bool = False) -> list[tuple[int, float, float, int, int]]:

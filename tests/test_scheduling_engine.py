@@ -149,9 +149,12 @@ def test_a_failed_batch_raises_and_gives_its_requests_back():
         run(engine)
     # The failed batch left the queue and its requests wait to be recomputed; nothing is lost.
     assert engine.scheduler.num_unfinished == 4 and engine.num_in_flight <= 1
+    # Only the batch still queued holds sequences in the engine's in-flight record.
+    assert set(engine._owner) == {c.seq_id for b, _ in engine._queue for c in b.chunks}
     gang.fail_batch = None
     run(engine)
     assert_matches_reference(reqs)
+    assert not engine._owner
 
 
 def test_a_batch_that_cannot_be_submitted_fails_the_step():
@@ -176,6 +179,7 @@ def test_a_retryable_failure_recomputes_every_running_request(max_inflight):
     assert engine.stats()["num_recoveries"] == 1 and gang.restart_batch is None
     assert all(r.num_preemptions >= 1 for r in reqs)
     assert_matches_reference(reqs)
+    assert not engine._owner  # the batches dropped by the recovery left the record too
 
 
 class RepeatingScheduler(Scheduler):
@@ -219,17 +223,3 @@ def test_the_engine_refuses_a_request_in_two_in_flight_batches(twice_in_one):
     assert sorted(r.request_id for r in dropped) == sorted(r.request_id for r in reqs)
     assert not engine.has_unfinished() and not engine._owner
 
-
-def test_sequences_leave_the_in_flight_record_with_their_batch():
-    # A correct scheduler passes the check on every batch, through failures and restarts too.
-    gang = FakeGang(2, block_size=4, fail_batch=3, restart_batch=6)
-    engine = make_engine(gang)
-    reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=6)) for i, p in enumerate(prompts(5, 5))]
-    for r in reqs:
-        engine.add_request(r)
-    with pytest.raises(RuntimeError, match="batch 3 failed"):
-        run(engine)
-    assert set(engine._owner) == {c.seq_id for b, _ in engine._queue for c in b.chunks}
-    run(engine)
-    assert engine.stats()["num_recoveries"] == 1 and not engine._owner
-    assert_matches_reference(reqs)

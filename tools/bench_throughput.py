@@ -39,10 +39,15 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
+
+from run_llama import positive_int  # noqa: E402
+
+if TYPE_CHECKING:
+    from models.config import LlamaArgs
 
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, WARMUP = 64, 128, 64, 4
 
@@ -107,8 +112,8 @@ def _workload(vocab_size: int, shape: Workload = Workload()):
     return prompt_sets.random_prompts(shape.num_prompts + WARMUP, shape.input_len, shape.output_len, vocab_size, seed=0)
 
 
-def workload_flops(args: Any, shape: Workload = Workload()) -> float:
-    """FLOPs of the workload's matrix products on a model with LlamaArgs `args`.
+def workload_flops(args: "LlamaArgs", shape: Workload = Workload()) -> float:
+    """FLOPs of the workload's matrix products on a model with the architecture `args`.
 
     Each request feeds its prompt and all but its last output token through every layer's
     linears and attention (a token at position p attends to p + 1 positions), and takes
@@ -333,27 +338,20 @@ def _run_one(name: str, args: argparse.Namespace) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--plot", metavar="FILE", help="write a bar chart of output tokens/s (medians with --repeats)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="the issue's workload is bfloat16; float32 where the CPU has no native bf16")
-    parser.add_argument("--repeats", type=_positive, default=1,
+    parser.add_argument("--repeats", type=positive_int, default=1,
                         help="rounds of every configuration, interleaved; then median lines and the targets line")
     parser.add_argument("--roof-gflops", type=float,
                         help="the machine's compute roof (e.g. 390 for bf16 on this project's 2-core EPYC, "
                              "../shared/reference/machine.md): the targets line gives the fastest layout's share of it")
-    parser.add_argument("--num-prompts", type=_positive, default=NUM_PROMPTS, help="timed prompts (the issue's: 64)")
-    parser.add_argument("--input-len", type=_positive, default=INPUT_LEN, help="prompt tokens (the issue's: 128)")
-    parser.add_argument("--output-len", type=_positive, default=OUTPUT_LEN, help="output tokens (the issue's: 64)")
+    parser.add_argument("--num-prompts", type=positive_int, default=NUM_PROMPTS, help="timed prompts (the issue's: 64)")
+    parser.add_argument("--input-len", type=positive_int, default=INPUT_LEN, help="prompt tokens (the issue's: 128)")
+    parser.add_argument("--output-len", type=positive_int, default=OUTPUT_LEN, help="output tokens (the issue's: 64)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="the engine's token budget per batch")
     parser.add_argument("--layer-split", type=int, nargs="+", metavar="N", help="decoder layers per stage (pp > 1; default the engine's)")
     parser.add_argument("--kv-mirror-mb", type=int, help="per rank, MiB of the dense decode KV copy (0: off; default the engine's)")

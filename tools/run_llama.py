@@ -28,7 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (also used by tools/bench_throughput.py)."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
@@ -38,11 +39,11 @@ def _positive_int(text: str) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Run a Llama model over prompts with TP/PP actors.")
     parser.add_argument("--model", default=None, help="HF checkpoint dir (default: the built-in default model)")
-    parser.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size")
-    parser.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "random"])
-    parser.add_argument("--num-prompts", type=_positive_int, default=32)
+    parser.add_argument("--num-prompts", type=positive_int, default=32)
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens (random dataset)")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens (random dataset)")
     parser.add_argument("--max-tokens", type=int, default=None, help="cap every request's output length")
