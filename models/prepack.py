@@ -8,6 +8,10 @@ much as the arithmetic: on one thread of this project's machine (float32,
 the LM head (N = 32000) at 76 and 94; at 512 rows the two are within a few percent.
 The packed tensor replaces the plain weight, so a rank holds one copy.
 
+A bfloat16 weight packed on a one-thread process, where this CPU has avx512_bf16, is
+laid out for our own kernel instead (models/bf16_gemm.py), which is faster than
+oneDNN's at every row count a step has and costs less per call.
+
 Only CPU tensors in float32 or bfloat16 are packed, and only where this torch
 build has oneDNN's ops (`torch.ops.mkldnn._reorder_linear_weight`); elsewhere
 (GPU, another dtype, an old or stripped build) `prepack_stage` leaves the
@@ -22,6 +26,8 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+from models import bf16_gemm
 
 __all__ = ["PackedLinear", "PackedWeight", "prepack_stage", "prepack_supported"]
 
@@ -64,12 +70,20 @@ class PackedWeight:
         if weight.dim() != 2:
             raise ValueError(f"a packed weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _ROWS_HINT)
         self.bias = None if bias is None else bias.detach()
+        # bfloat16 on a one-thread rank: our kernel (models/bf16_gemm.py), chosen once, here.
+        self.own_kernel = torch.get_num_threads() == 1 and bf16_gemm.supports(weight)
+        if self.own_kernel:
+            self.packed = bf16_gemm.pack(weight)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _ROWS_HINT)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, the packed weight takes {self.in_features}")
+        if self.own_kernel:
+            out = bf16_gemm.linear(x, self.packed)
+            return out if self.bias is None else out.add_(self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

@@ -48,7 +48,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from models import argmax, decode_attention, kv_write, norm_rope
+from models import argmax, bf16_gemm, decode_attention, kv_write, norm_rope
 from models.batch import ModelBatch, ModelOutput
 from models.config import (
     BoundaryMove,
@@ -152,6 +152,10 @@ class LlamaWorker:
         kv_write_kernel: on CPU, each layer stores its keys and values in the paged cache
             and the KV mirror with one numba call (models/kv_write.py) instead of four
             indexing ops; False, or where numba is missing, keeps torch's ops.
+        bf16_gemm_kernel: on a CPU with avx512_bf16, a bfloat16 rank with one thread runs
+            its linears through models/bf16_gemm.py's kernel instead of oneDNN's GEMM
+            (needs prepack_weights); False, or where numba or the instruction is missing,
+            keeps oneDNN. Process-wide while the weights are packed, as norm_rope_kernels.
     """
 
     def __init__(
@@ -176,6 +180,7 @@ class LlamaWorker:
         move_boundary_back: bool = True,
         norm_rope_kernels: bool = True,
         kv_write_kernel: bool = True,
+        bf16_gemm_kernel: bool = True,
     ) -> None:
         self.ctx = ctx
         self.where = f"rank (pp={ctx.pp}, tp={ctx.tp})"
@@ -231,6 +236,7 @@ class LlamaWorker:
         self.decode_kernel = bool(decode_kernel)
         self.norm_rope_kernels = bool(norm_rope_kernels)  # and loaded: see load_model
         self.kv_write_kernel = bool(kv_write_kernel)  # and loaded: see load_model
+        self.bf16_gemm_kernel = bool(bf16_gemm_kernel)  # and loaded: see load_model
         # Before the weights and KV cache are allocated, so those too come from the heap.
         self.keeps_freed_memory = self.device.type == "cpu" and keep_freed_memory and _keep_freed_memory()
         self.num_packed = 0
@@ -337,6 +343,16 @@ class LlamaWorker:
             raise RuntimeError(f"{self.where}: call init_distributed() before load_model()")
         num_blocks = self._num_blocks()  # before reading weights: a budget too small fails fast
         stage, report = load_stage(layout, self.model_path, self.dtype, self.device, self.tp_group)
+        # Our bf16 GEMM kernel (process-wide, as the packing reads it) for a one-thread CPU rank.
+        self.bf16_gemm_kernel = (
+            self.bf16_gemm_kernel
+            and self.prepack_weights
+            and self.device.type == "cpu"
+            and self.dtype == torch.bfloat16
+            and self.num_threads == 1
+            and bf16_gemm.prepare()
+        )
+        bf16_gemm.set_enabled(self.bf16_gemm_kernel)
         if self.prepack_weights:
             self.num_packed = prepack_stage(stage)  # 0 where unsupported (GPU, float16, no oneDNN)
         self.stage = stage
@@ -398,6 +414,7 @@ class LlamaWorker:
             "decode_kernel": self.decode_kernel,
             "norm_rope_kernels": self.norm_rope_kernels,
             "kv_write_kernel": self.kv_write_kernel,
+            "bf16_gemm_kernel": self.bf16_gemm_kernel,
         }
 
     def _num_blocks(self) -> int:
@@ -685,6 +702,7 @@ class LlamaWorker:
             "decode_kernel": self.decode_kernel,
             "norm_rope_kernels": self.norm_rope_kernels,
             "kv_write_kernel": self.kv_write_kernel,
+            "bf16_gemm_kernel": self.bf16_gemm_kernel,
             "keeps_freed_memory": self.keeps_freed_memory,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),

@@ -127,6 +127,9 @@ class LLM:
         kv_write_kernel: on CPU, each layer stores its keys and values in the paged cache
             and the KV mirror with one numba call (models/kv_write.py); True by default,
             torch's indexing ops where numba is missing.
+        bf16_gemm_kernel: on a CPU with avx512_bf16, bfloat16 ranks with one thread run
+            their linears through our GEMM kernel (models/bf16_gemm.py) instead of
+            oneDNN's; True by default, oneDNN where numba or the instruction is missing.
         keep_freed_memory: on CPU, each rank's glibc keeps freed memory in the process
             (models/host_memory.py): faster large steps, RSS stays at its peak.
         max_num_seqs, max_num_batched_tokens: the most sequences / tokens in one batch;
@@ -169,6 +172,7 @@ class LLM:
         shm_handoff: bool = True,
         norm_rope_kernels: bool = True,
         kv_write_kernel: bool = True,
+        bf16_gemm_kernel: bool = True,
         keep_freed_memory: bool = True,
         max_num_seqs: int = 256,
         max_num_batched_tokens: Optional[int] = None,
@@ -239,6 +243,8 @@ class LLM:
             worker_kwargs["norm_rope_kernels"] = False
         if not kv_write_kernel:
             worker_kwargs["kv_write_kernel"] = False
+        if not bf16_gemm_kernel:
+            worker_kwargs["bf16_gemm_kernel"] = False
         if num_threads is not None:
             worker_kwargs["num_threads"] = int(num_threads)
         if layer_split is not None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import models.config
+from models import bf16_gemm
 from actors.context import ActorContext
 from models.batch import ModelBatch, SequenceChunk
 from models.config import (
@@ -452,17 +453,30 @@ def test_native_bf16_is_read_from_the_cpu_flags():
     assert models.config.cpu_has_native_bf16("processor : 0\n")  # no flags to judge by: keep bf16
 
 
-def test_bfloat16_logits_stay_close_to_float32(checkpoints):
-    worker = LlamaWorker(
-        single_rank(), model=checkpoints["single"], dtype="bfloat16", kv_cache_bytes=KV_BYTES, block_size=BLOCK
-    )
-    worker.load_model()
-    tables = block_tables([len(p) for p in PROMPTS], BLOCK)
-    logits = worker.compute_logits(prefill_batch(PROMPTS, tables))
-    expected = reference_last_logits(checkpoints["single"], PROMPTS)
-    assert logits.dtype == torch.float32
-    assert (logits - expected).abs().max() < 0.05 * expected.abs().max()
-    worker.shutdown()
+@pytest.mark.parametrize(
+    "num_threads, gemm_kernel",
+    [(None, True), (1, True), (1, False)],
+    ids=["default-threads", "one-thread-bf16-gemm", "one-thread-onednn"],
+)
+def test_bfloat16_logits_stay_close_to_float32(checkpoints, num_threads, gemm_kernel):
+    threads_before = torch.get_num_threads()
+    try:
+        worker = LlamaWorker(
+            single_rank(), model=checkpoints["single"], dtype="bfloat16", kv_cache_bytes=KV_BYTES, block_size=BLOCK,
+            num_threads=num_threads, bf16_gemm_kernel=gemm_kernel,
+        )
+        info = worker.load_model()
+        # Our GEMM kernel only on a one-thread rank, where this CPU can run it.
+        assert info["bf16_gemm_kernel"] == (gemm_kernel and worker.num_threads == 1 and bf16_gemm.prepare())
+        tables = block_tables([len(p) for p in PROMPTS], BLOCK)
+        logits = worker.compute_logits(prefill_batch(PROMPTS, tables))
+        expected = reference_last_logits(checkpoints["single"], PROMPTS)
+        assert logits.dtype == torch.float32
+        assert (logits - expected).abs().max() < 0.05 * expected.abs().max()
+        worker.shutdown()
+    finally:
+        torch.set_num_threads(threads_before)
+        bf16_gemm.set_enabled(True)
 
 
 def test_step_trace_records_each_step_in_order_and_clears(workers):

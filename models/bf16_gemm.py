@@ -1,0 +1,151 @@
+"""bfloat16 linears on one CPU thread through our own AVX512-BF16 kernel instead of oneDNN.
+
+On one Zen 4 core (`tools/bench_matmul.py --packed`, weights from memory as in a
+step), oneDNN's packed bf16 GEMM runs a 32-row decode projection at 130-175 GFLOP/s
+against about 200 over 64 rows, and every call costs about 14 us before any
+arithmetic. That fixed part is what makes two 32-row pipeline batches cost more than
+one 64-row batch. The kernel in models/bf16_gemm_kernels.py keeps 8 rows by 32
+columns of float32 sums in registers, hints the next panel of weights into L2 while
+it computes, and is called with raw addresses (about 2 us a call): 180-210 GFLOP/s
+at 32 rows from memory, and ahead of oneDNN at 64 and 512 rows too.
+
+It runs on the calling thread only, so `PackedWeight` takes it for ranks with one
+intra-op thread and keeps oneDNN (which splits a GEMM over threads) otherwise. It
+needs a CPU with avx512_bf16 and numba; without either, nothing here is built and
+callers keep oneDNN. The result is the float32 sum rounded to bfloat16, as oneDNN's;
+sums are taken in another order, so a value can differ from oneDNN's by one bf16 ulp.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable, Optional
+
+import torch
+
+from models.numba_kernels import load_checked
+
+__all__ = ["PANEL", "enabled", "linear", "pack", "prepare", "set_enabled", "supports"]
+
+logger = logging.getLogger(__name__)
+
+_Kernel = Callable[..., None]
+
+# Output columns of one packed panel (models/bf16_gemm_kernels.PANEL, without importing numba).
+PANEL = 32
+
+_enabled = True
+
+
+def set_enabled(on: bool) -> None:
+    """Pack bf16 weights for the kernel where it can run (True, the default) or always for oneDNN (False), in this process.
+
+    Weights packed before the call keep their layout.
+    """
+    global _enabled
+    _enabled = bool(on)
+
+
+def enabled() -> bool:
+    """Whether weights packed from now on in this process take the kernel where it can run."""
+    return _enabled
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_has_bf16() -> bool:
+    try:
+        from llvmlite import binding
+    except ImportError:
+        return False
+    try:
+        return bool(binding.get_host_cpu_features().get("avx512bf16", False))
+    except Exception as exc:  # noqa: BLE001 - no feature list: treat as absent
+        logger.debug("no host CPU features from LLVM: %s", exc)
+        return False
+
+
+def supports(weight: torch.Tensor) -> bool:
+    """Whether `weight` [out, in] can be packed for the kernel: a CPU bf16 matrix, out a multiple of 32, in even.
+
+    Also False where the kernel cannot run on this machine (no avx512_bf16, no numba,
+    or its check failed) or is switched off (`set_enabled`).
+    """
+    return (
+        _enabled
+        and         weight.dim() == 2
+        and weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.shape[0] % PANEL == 0
+        and weight.shape[1] % 2 == 0
+        and weight.shape[0] > 0
+        and weight.shape[1] > 0
+        and _kernel() is not None
+    )
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [N, K] as the kernel reads it: [N / 32, K / 2, 32, 2], contiguous (`supports` must hold)."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ W.T for W packed by `pack`: [..., N] in bfloat16.
+
+    Raises ValueError if x is not a CPU bfloat16 tensor with K features.
+    """
+    kernel = _kernel()
+    assert kernel is not None, "pack() needs supports() first"
+    panels, pairs = packed.shape[0], packed.shape[1]
+    n, k = panels * PANEL, pairs * 2
+    if x.shape[-1] != k:
+        raise ValueError(f"input has {x.shape[-1]} features, the packed weight takes {k}")
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError(f"the bf16 kernel takes CPU bfloat16 inputs, got {x.dtype} on {x.device}")
+    lead = x.shape[:-1]
+    a = x.reshape(-1, k)
+    if not a.is_contiguous():
+        a = a.contiguous()
+    m = a.shape[0]
+    out = torch.empty((m, n), dtype=torch.bfloat16)
+    if m:
+        kernel(a.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n)
+    return out.view(*lead, n)
+
+
+def _check(kernel: _Kernel) -> None:
+    # Builds (or loads from numba's cache) and checks the kernel now, so a broken toolchain fails once, here.
+    g = torch.Generator().manual_seed(0)
+    for m, k, n in ((1, 2, 32), (5, 64, 64), (8, 30, 32), (19, 96, 96), (64, 128, 32)):
+        w = torch.randn(n, k, generator=g).bfloat16()
+        x = torch.randn(m, k, generator=g).bfloat16()
+        packed = pack(w)
+        out = torch.empty((m, n), dtype=torch.bfloat16)
+        kernel(x.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n)
+        want = torch.nn.functional.linear(x.float(), w.float())
+        # The float32 sum rounded once to bf16: within half a bf16 ulp of the exact sum,
+        # plus float32 rounding of the partial sums.
+        if not torch.allclose(out.float(), want, rtol=2**-8, atol=1e-4 * k):
+            worst = (out.float() - want).abs().max().item()
+            raise RuntimeError(f"the bf16 GEMM kernel differs from F.linear by {worst} at m={m}, k={k}, n={n}")
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel() -> Optional[_Kernel]:
+    """The kernel, built (or loaded from numba's cache) and checked on the first call; None if unusable."""
+    if not _cpu_has_bf16():
+        logger.info("this CPU has no avx512_bf16: bfloat16 linears use oneDNN")
+        return None
+    return load_checked(
+        "models.bf16_gemm_kernels",
+        lambda kern: kern.gemm,
+        _check,
+        "the bf16 GEMM kernel",
+        "bfloat16 linears use oneDNN",
+    )
+
+
+def prepare() -> bool:
+    """Builds the kernel now (a worker calls it while loading); returns whether it can run."""
+    return _kernel() is not None
