@@ -352,7 +352,8 @@ class LlamaWorker:
             and self.num_threads == 1
             and bf16_gemm.prepare()
         )
-        bf16_gemm.set_enabled(self.bf16_gemm_kernel)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            bf16_gemm.set_enabled(self.bf16_gemm_kernel)
         if self.prepack_weights:
             self.num_packed = prepack_stage(stage)  # 0 where unsupported (GPU, float16, no oneDNN)
         self.stage = stage

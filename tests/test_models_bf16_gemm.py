@@ -15,6 +15,15 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def kernel_switched_on():
+    # The switch is process-wide: a bf16 worker loaded earlier in this process may have turned it off.
+    before = bf16_gemm.enabled()
+    bf16_gemm.set_enabled(True)
+    yield
+    bf16_gemm.set_enabled(before)
+
+
 @pytest.fixture
 def one_thread():
     # PackedWeight takes the kernel only on a one-thread process, as a rank is.
