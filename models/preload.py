@@ -1,9 +1,9 @@
 """What the fork server that starts the ranks imports once (`scheduling.LLM` preloads this module).
 
 Every rank forked from that server starts with it in memory instead of paying for it
-itself: the worker with torch (about 2.5 s of CPU), and numba with the decode,
-argmax, norm, rotary and KV write kernel modules and numba's CPU target set up (another 0.9 s, which each rank
-spent in its first kernel load). With four ranks on two cores that was most of the
+itself: the worker with torch (about 2.5 s of CPU), and numba with the decode, argmax,
+norm, rotary, KV write and bf16 GEMM kernel modules and numba's CPU target set up
+(another 0.9 s, which each rank spent in its first kernel load). With four ranks on two cores that was most of the
 startup. Importing this module starts no thread, so forking after it is safe: numba's
 thread pool and torch's start in each rank, when first used.
 """
@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 def _warm_numba() -> None:
     try:
         import models.argmax_kernels  # noqa: F401
+        import models.bf16_gemm_kernels  # noqa: F401  (compiles nothing on import: safe on any CPU)
         import models.decode_attention_kernels  # noqa: F401
         import models.kv_write_kernels  # noqa: F401
         import models.norm_rope_kernels  # noqa: F401
