@@ -1,13 +1,13 @@
 """bfloat16 linears on one CPU thread through our own AVX512-BF16 kernel instead of oneDNN.
 
-On one Zen 4 core (`tools/bench_matmul.py --packed`, weights from memory as in a
-step), oneDNN's packed bf16 GEMM runs a 32-row decode projection at 130-175 GFLOP/s
-against about 200 over 64 rows, and every call costs about 14 us before any
-arithmetic. That fixed part is what makes two 32-row pipeline batches cost more than
-one 64-row batch. The kernel in models/bf16_gemm_kernels.py keeps 8 rows by 32
-columns of float32 sums in registers, hints the next panel of weights into L2 while
-it computes, and is called with raw addresses (about 2 us a call): 180-210 GFLOP/s
-at 32 rows from memory, and ahead of oneDNN at 64 and 512 rows too.
+On one Zen 4 core (a one-off probe, weights from memory as in a step), oneDNN's
+packed bf16 GEMM ran a 32-row decode projection at 130-180 GFLOP/s against about 190
+over 64 rows, and every call cost about 14 us before any arithmetic: a large part of
+what makes two 32-row pipeline batches cost more than one 64-row batch. The kernel in
+models/bf16_gemm_kernels.py keeps 8 rows by 32 columns of float32 sums in registers,
+hints the next panel of weights into L2 while it computes, and is called with raw
+addresses (about 2 us a call): 190-210 GFLOP/s at 32 rows from memory, 205-217 at 64,
+and level with oneDNN from 512 rows up.
 
 It runs on the calling thread only, so `PackedWeight` takes it for ranks with one
 intra-op thread and keeps oneDNN (which splits a GEMM over threads) otherwise. It
@@ -39,9 +39,9 @@ _enabled = True
 
 
 def set_enabled(on: bool) -> None:
-    """Pack bf16 weights for the kernel where it can run (True, the default) or always for oneDNN (False), in this process.
+    """Pack bf16 weights for the kernel where it can run (True, the default) or for oneDNN (False).
 
-    Weights packed before the call keep their layout.
+    Process-wide; weights packed before the call keep their layout.
     """
     global _enabled
     _enabled = bool(on)
@@ -73,7 +73,7 @@ def supports(weight: torch.Tensor) -> bool:
     """
     return (
         _enabled
-        and         weight.dim() == 2
+        and weight.dim() == 2
         and weight.dtype == torch.bfloat16
         and weight.device.type == "cpu"
         and weight.shape[0] % PANEL == 0
