@@ -6,8 +6,8 @@ over 64 rows, and every call cost about 14 us before any arithmetic: a large par
 what makes two 32-row pipeline batches cost more than one 64-row batch. The kernel in
 models/bf16_gemm_kernels.py keeps 8 rows by 32 columns of float32 sums in registers,
 hints the next panel of weights into L2 while it computes, and is called with raw
-addresses (about 2 us a call): 190-210 GFLOP/s at 32 rows from memory, 205-217 at 64,
-and level with oneDNN from 512 rows up.
+addresses (about 2 us a call, 7 through `PackedWeight`): 170-210 GFLOP/s at 32 rows
+from memory, 200-215 at 64, and level with oneDNN from 512 rows up.
 
 It runs on the calling thread only, so `PackedWeight` takes it for ranks with one
 intra-op thread and keeps oneDNN (which splits a GEMM over threads) otherwise. It
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 _Kernel = Callable[..., None]
 
-# Output columns of one packed panel (models/bf16_gemm_kernels.PANEL, without importing numba).
+# Output columns of one packed panel (what models/bf16_gemm_kernels.py computes at a time).
 PANEL = 32
 
 _enabled = True
@@ -54,6 +54,8 @@ def enabled() -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _cpu_has_bf16() -> bool:
+    # LLVM's view of the host, which is what numba compiles for; not models.config's
+    # cpu_has_native_bf16, which also counts AMX and Arm bf16 and says yes when unsure.
     try:
         from llvmlite import binding
     except ImportError:

@@ -22,8 +22,9 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-# Output columns of one packed panel (two zmm registers of float32 sums per row).
-PANEL = 32
+# Output columns of one packed panel (two zmm registers of float32 sums per row), as packed.
+from models.bf16_gemm import PANEL
+
 # Rows of A one micro-kernel call keeps in registers: 8 x 2 accumulators, 2 panel
 # registers and a broadcast fit the 32 zmm registers with room to spare.
 ROWS = 8
@@ -60,21 +61,19 @@ def _function(module: ir.Module, name: str, ftype: ir.FunctionType) -> ir.Functi
 
 @intrinsic
 def _rows_times_panel(typingctx, rows, a, b, c, pairs, lda, ldc, ahead, ahead_step, ahead_second):  # noqa: ANN001, ANN202
-    """C[rows, 32] = A[rows, K] @ panel for `rows` (a literal, 1..8) rows, hinting lines at `ahead` into L2.
+    """C[rows, 32] = A[rows, K] @ panel for 1 <= rows <= 8, hinting lines at `ahead` into L2.
 
     a, b, c, ahead: byte addresses of A's first row, the panel, C's first row and what to
     prefetch; pairs = K / 2; lda, ldc: the row strides of A and C in bytes. Each k-pair
     hints the cache lines at ahead + pair * ahead_step and ahead_second bytes after it
-    (0: the same line again, for one line a pair).
+    (0: the same line again, for one line a pair). One loop is built per row count, each
+    with its sums in registers, and `rows` picks one (an LLVM switch).
     """
-    if not isinstance(rows, types.IntegerLiteral):
-        return None
-    num_rows = rows.literal_value
     i64 = types.int64
-    sig = types.void(rows, i64, i64, i64, i64, i64, i64, i64, i64, i64)
+    sig = types.void(i64, i64, i64, i64, i64, i64, i64, i64, i64, i64)
 
     def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-        _, a0, b0, c0, npairs, lda_, ldc_, ahead0, step, second = args
+        nrows, a0, b0, c0, npairs, lda_, ldc_, ahead0, step, second = args
         module = builder.module
         dot = _function(
             module, "llvm.x86.avx512bf16.dpbf16ps.512", ir.FunctionType(_F32x16, [_F32x16, _BF16x32, _BF16x32])
@@ -87,68 +86,63 @@ def _rows_times_panel(typingctx, rows, a, b, c, pairs, lda, ldc, ahead, ahead_st
                 base = builder.add(base, off)
             return base
 
-        entry = builder.block
-        loop = builder.append_basic_block("pairs")
-        done = builder.append_basic_block("store")
-        builder.branch(loop)
-        builder.position_at_end(loop)
-        pair = builder.phi(_I64)
-        pair.add_incoming(_I64(0), entry)
-        sums = []
-        for _ in range(num_rows * 2):
-            acc = builder.phi(_F32x16)
-            acc.add_incoming(ir.Constant(_F32x16, None), entry)
-            sums.append(acc)
-        b_at = at(b0, builder.mul(pair, _I64(PANEL * 4)))
-        halves = [builder.load(builder.inttoptr(at(b_at, _I64(64 * h)), _BF16x32.as_pointer()), align=1) for h in (0, 1)]
-        ahead_at = at(ahead0, builder.mul(pair, step))
-        for line_at in (ahead_at, at(ahead_at, second)):
-            # A read (0), kept in L2 and below (2), of data (1): L1 holds the panel in use.
-            builder.call(prefetch, [builder.inttoptr(line_at, _I8P), _I32(0), _I32(2), _I32(1)])
-        a_at = at(a0, builder.mul(pair, _I64(4)))
-        new = []
-        for r in range(num_rows):
-            a_pair = builder.load(builder.inttoptr(at(a_at, builder.mul(lda_, _I64(r))), _I32.as_pointer()), align=2)
-            splat = builder.insert_element(ir.Constant(_I32x16, None), a_pair, _I32(0))
-            splat = builder.shuffle_vector(splat, ir.Constant(_I32x16, None), ir.Constant(_I32x16, [0] * 16))
-            a_bf16 = builder.bitcast(splat, _BF16x32)
-            for h in (0, 1):
-                new.append(builder.call(dot, [sums[2 * r + h], halves[h], a_bf16]))
-        next_pair = builder.add(pair, _I64(1))
-        pair.add_incoming(next_pair, builder.block)
-        for acc, value in zip(sums, new):
-            acc.add_incoming(value, builder.block)
-        builder.cbranch(builder.icmp_signed("<", next_pair, npairs), loop, done)
-        builder.position_at_end(done)
-        for r in range(num_rows):
-            row_at = at(c0, builder.mul(ldc_, _I64(r)))
-            for h in (0, 1):
-                out = builder.call(to_bf16, [new[2 * r + h]])
-                builder.store(out, builder.inttoptr(at(row_at, _I64(32 * h)), _BF16x16.as_pointer()), align=2)
+        def rows_loop(num_rows: int, entry: ir.Block, end: ir.Block) -> None:
+            # From `entry`: the loop over k-pairs for num_rows rows, then their stores, then `end`.
+            loop = builder.append_basic_block(f"pairs{num_rows}")
+            done = builder.append_basic_block(f"store{num_rows}")
+            builder.position_at_end(entry)
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            pair = builder.phi(_I64)
+            pair.add_incoming(_I64(0), entry)
+            sums = []
+            for _ in range(num_rows * 2):
+                acc = builder.phi(_F32x16)
+                acc.add_incoming(ir.Constant(_F32x16, None), entry)
+                sums.append(acc)
+            b_at = at(b0, builder.mul(pair, _I64(PANEL * 4)))
+            halves = [
+                builder.load(builder.inttoptr(at(b_at, _I64(64 * h)), _BF16x32.as_pointer()), align=1) for h in (0, 1)
+            ]
+            ahead_at = at(ahead0, builder.mul(pair, step))
+            for line_at in (ahead_at, at(ahead_at, second)):
+                # A read (0), kept in L2 and below (2), of data (1): L1 holds the panel in use.
+                builder.call(prefetch, [builder.inttoptr(line_at, _I8P), _I32(0), _I32(2), _I32(1)])
+            a_at = at(a0, builder.mul(pair, _I64(4)))
+            new = []
+            for r in range(num_rows):
+                a_pair = builder.load(
+                    builder.inttoptr(at(a_at, builder.mul(lda_, _I64(r))), _I32.as_pointer()), align=2
+                )
+                splat = builder.insert_element(ir.Constant(_I32x16, None), a_pair, _I32(0))
+                splat = builder.shuffle_vector(splat, ir.Constant(_I32x16, None), ir.Constant(_I32x16, [0] * 16))
+                a_bf16 = builder.bitcast(splat, _BF16x32)
+                for h in (0, 1):
+                    new.append(builder.call(dot, [sums[2 * r + h], halves[h], a_bf16]))
+            next_pair = builder.add(pair, _I64(1))
+            pair.add_incoming(next_pair, builder.block)
+            for acc, value in zip(sums, new):
+                acc.add_incoming(value, builder.block)
+            builder.cbranch(builder.icmp_signed("<", next_pair, npairs), loop, done)
+            builder.position_at_end(done)
+            for r in range(num_rows):
+                row_at = at(c0, builder.mul(ldc_, _I64(r)))
+                for h in (0, 1):
+                    out = builder.call(to_bf16, [new[2 * r + h]])
+                    builder.store(out, builder.inttoptr(at(row_at, _I64(32 * h)), _BF16x16.as_pointer()), align=2)
+            builder.branch(end)
+
+        end = builder.append_basic_block("rows_done")
+        starts = {n: builder.append_basic_block(f"rows{n}") for n in range(1, ROWS + 1)}
+        switch = builder.switch(nrows, starts[ROWS])  # the caller passes 1..8
+        for n, block in starts.items():
+            switch.add_case(_I64(n), block)
+        for n, block in starts.items():
+            rows_loop(n, block, end)
+        builder.position_at_end(end)
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-@numba.njit(nogil=True, cache=True)
-def _rows(r, a, b, c, pairs, lda, ldc, ahead, step, second):  # noqa: ANN001 - typed by numba
-    # Dispatch to the micro-kernel built for r rows (a literal each).
-    if r == 8:
-        _rows_times_panel(8, a, b, c, pairs, lda, ldc, ahead, step, second)
-    elif r == 7:
-        _rows_times_panel(7, a, b, c, pairs, lda, ldc, ahead, step, second)
-    elif r == 6:
-        _rows_times_panel(6, a, b, c, pairs, lda, ldc, ahead, step, second)
-    elif r == 5:
-        _rows_times_panel(5, a, b, c, pairs, lda, ldc, ahead, step, second)
-    elif r == 4:
-        _rows_times_panel(4, a, b, c, pairs, lda, ldc, ahead, step, second)
-    elif r == 3:
-        _rows_times_panel(3, a, b, c, pairs, lda, ldc, ahead, step, second)
-    elif r == 2:
-        _rows_times_panel(2, a, b, c, pairs, lda, ldc, ahead, step, second)
-    else:
-        _rows_times_panel(1, a, b, c, pairs, lda, ldc, ahead, step, second)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -187,9 +181,9 @@ def gemm(a, b, c, m, k, n):  # noqa: ANN001 - typed by numba
                 a_blk = a_c + blk * ROWS * lda
                 c_blk = c_j + blk * ROWS * ldc
                 if blocks == 1:
-                    _rows(r, a_blk, b_j, c_blk, pairs, lda, ldc, ahead, 128, 64)
+                    _rows_times_panel(r, a_blk, b_j, c_blk, pairs, lda, ldc, ahead, 128, 64)
                 elif blk < 2:
-                    _rows(r, a_blk, b_j, c_blk, pairs, lda, ldc, ahead + blk * pairs * 64, 64, 0)
+                    _rows_times_panel(r, a_blk, b_j, c_blk, pairs, lda, ldc, ahead + blk * pairs * 64, 64, 0)
                 else:
                     # The next panel is on its way: hint lines of this one, already in cache.
-                    _rows(r, a_blk, b_j, c_blk, pairs, lda, ldc, b_j, 64, 0)
+                    _rows_times_panel(r, a_blk, b_j, c_blk, pairs, lda, ldc, b_j, 64, 0)

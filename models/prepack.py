@@ -79,11 +79,11 @@ class PackedWeight:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _ROWS_HINT)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own_kernel:
+            out = bf16_gemm.linear(x, self.packed)  # checks x itself, with the same message
+            return out if self.bias is None else out.add_(self.bias)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, the packed weight takes {self.in_features}")
-        if self.own_kernel:
-            out = bf16_gemm.linear(x, self.packed)
-            return out if self.bias is None else out.add_(self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
