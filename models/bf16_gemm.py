@@ -1,4 +1,4 @@
-"""bfloat16 linears on one CPU thread through our own AVX512-BF16 kernel instead of oneDNN.
+"""bfloat16 linears on CPU through our own AVX512-BF16 kernel instead of oneDNN.
 
 On one Zen 4 core (a one-off probe, weights from memory as in a step), oneDNN's
 packed bf16 GEMM ran a 32-row decode projection at 130-180 GFLOP/s against about 190
@@ -9,10 +9,12 @@ hints the next panel of weights into L2 while it computes, and is called with ra
 addresses (about 2 us a call, 7 through `PackedWeight`): 170-210 GFLOP/s at 32 rows
 from memory, 200-215 at 64, and level with oneDNN from 512 rows up.
 
-It runs on the calling thread only, so `PackedWeight` takes it for ranks with one
-intra-op thread and keeps oneDNN (which splits a GEMM over threads) otherwise. It
-needs a CPU with avx512_bf16 and numba; without either, nothing here is built and
-callers keep oneDNN. The result is the float32 sum rounded to bfloat16, as oneDNN's;
+A rank with one intra-op thread runs it on that thread. One with more splits the
+weight's panels over numba's thread pool, as many ways as it has torch threads (as
+decode attention does): with two threads on two Zen 4 cores, 280-420 GFLOP/s at 32
+rows against oneDNN's 160-350, 350-440 at 64 against 260-390, and 430-450 at 512
+against 400-435. It needs a CPU with avx512_bf16 and numba; without either, nothing
+here is built and callers keep oneDNN. The result is the float32 sum rounded to bfloat16, as oneDNN's;
 sums are taken in another order, so a value can differ from oneDNN's by one bf16 ulp.
 """
 
@@ -95,10 +97,14 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ W.T for W packed by `pack`: [..., N] in bfloat16.
 
-    Raises ValueError if x is not a CPU bfloat16 tensor with K features.
+    On as many threads as torch has (numba's pool when more than one). Raises
+    ValueError if x is not a CPU bfloat16 tensor with K features.
     """
     kernel = _kernel()
     assert kernel is not None, "pack() needs supports() first"
+    threads = torch.get_num_threads()
+    parts = min(threads, _pool_size())
+    pool = _parallel_kernel() if parts > 1 else None
     panels, pairs = packed.shape[0], packed.shape[1]
     n, k = panels * PANEL, pairs * 2
     if x.shape[-1] != k:
@@ -111,20 +117,35 @@ def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         a = a.contiguous()
     m = a.shape[0]
     out = torch.empty((m, n), dtype=torch.bfloat16)
-    if m:
+    if m and pool is not None:
+        _run_parallel(pool, parts, threads, a.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n)
+    elif m:
         kernel(a.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n)
     return out.view(*lead, n)
 
 
-def _check(kernel: _Kernel) -> None:
-    # Builds (or loads from numba's cache) and checks the kernel now, so a broken toolchain fails once, here.
+def _run_parallel(pool: _Kernel, parts: int, threads: int, *args: int) -> None:
+    import numba
+
+    # numba's OpenMP pool is the same runtime as torch's (one libgomp per process), and
+    # starting or using it can change torch's thread count: put it back.
+    numba.set_num_threads(parts)
+    try:
+        pool(*args, parts)
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+def _check(run: Callable[[int, int, int, int, int, int], None]) -> None:
+    # Builds (or loads from numba's cache) and checks a kernel now, so a broken toolchain fails once, here.
     g = torch.Generator().manual_seed(0)
-    for m, k, n in ((1, 2, 32), (5, 64, 64), (8, 30, 32), (19, 96, 96), (64, 128, 32)):
+    for m, k, n in ((1, 2, 32), (5, 64, 64), (8, 30, 32), (19, 96, 96), (64, 128, 32), (3, 64, 96)):
         w = torch.randn(n, k, generator=g).bfloat16()
         x = torch.randn(m, k, generator=g).bfloat16()
         packed = pack(w)
         out = torch.empty((m, n), dtype=torch.bfloat16)
-        kernel(x.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n)
+        run(x.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n)
         want = torch.nn.functional.linear(x.float(), w.float())
         # The float32 sum rounded once to bf16: within half a bf16 ulp of the exact sum,
         # plus float32 rounding of the partial sums.
@@ -148,6 +169,42 @@ def _kernel() -> Optional[_Kernel]:
     )
 
 
-def prepare() -> bool:
-    """Builds the kernel now (a worker calls it while loading); returns whether it can run."""
-    return _kernel() is not None
+@functools.lru_cache(maxsize=1)
+def _parallel_kernel() -> Optional[_Kernel]:
+    """The thread-pool kernel, built on the first call from a process with several threads.
+
+    None where it cannot run (the one-thread kernel serves then). A one-thread rank never
+    builds it, so it never starts numba's pool (which would reset torch's thread count).
+    """
+    if _kernel() is None:
+        return None
+    from models import bf16_gemm_kernels as kern
+
+    threads = torch.get_num_threads()
+    try:
+        _check(lambda *args: _run_parallel(kern.gemm_parallel, 2, threads, *args))
+    except Exception as exc:  # noqa: BLE001 - fall back to one thread
+        logger.warning("parallel bf16 GEMM kernel unavailable (%s): bfloat16 linears run on one thread", exc)
+        return None
+    return kern.gemm_parallel
+
+
+def prepare(threads: Optional[int] = None) -> bool:
+    """Builds the kernels a process with `threads` threads runs (a worker calls it while loading).
+
+    Default: this process's torch thread count. Returns whether the kernel can run.
+    """
+    if _kernel() is None:
+        return False
+    threads = torch.get_num_threads() if threads is None else threads
+    if min(threads, _pool_size()) > 1:
+        _parallel_kernel()
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _pool_size() -> int:
+    """The most threads numba's pool can run (NUMBA_NUM_THREADS, fixed once numba is loaded)."""
+    import numba  # loaded already: the kernel is
+
+    return int(numba.config.NUMBA_NUM_THREADS)

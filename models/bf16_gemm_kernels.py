@@ -1,9 +1,10 @@
 """The numba kernel behind models/bf16_gemm.py (imported only where numba is installed).
 
-`gemm` computes C[M, N] = A[M, K] @ W[N, K].T in bfloat16 on the calling thread,
-with W packed by `models.bf16_gemm.pack` into panels of 32 output columns:
-[N / 32, K / 2, 32, 2], so that one k-pair of a panel is 128 contiguous bytes, two
-zmm registers of bf16 pairs. The inner loop is AVX512-BF16's `vdpbf16ps` (a pair of
+`gemm` computes C[M, N] = A[M, K] @ W[N, K].T in bfloat16 on the calling thread
+(`gemm_parallel`: its panels split into contiguous ranges over numba's pool), with W
+packed by `models.bf16_gemm.pack` into panels of 32 output columns: [N / 32, K / 2,
+32, 2], so that one k-pair of a panel is 128 contiguous bytes, two zmm registers of
+bf16 pairs. The inner loop is AVX512-BF16's `vdpbf16ps` (a pair of
 bf16 products added into float32 lanes), reached as its LLVM intrinsic because numba
 has no bfloat type; the float32 sums are rounded to bf16 once, at the end (round to
 nearest even, `vcvtneps2bf16`), as oneDNN does.
@@ -149,15 +150,30 @@ def _rows_times_panel(typingctx, rows, a, b, c, pairs, lda, ldc, ahead, ahead_st
 def gemm(a, b, c, m, k, n):  # noqa: ANN001 - typed by numba
     """C[m, n] = A[m, k] @ W.T for contiguous bf16 A and C at addresses a and c, W packed at b.
 
-    k must be even and n a multiple of 32 (the caller checks). Up to CHUNK rows at a
-    time, panel by panel: every 8-row block of the chunk runs over the panel, and the
-    first two blocks hint the next panel (the first again after the last) into L2 half
-    each (a lone block hints all of it), so that its weights stream in from memory
-    while this one computes. Chunks keep a prompt step's rows of A in cache while all
-    of the weights pass by.
+    k must be even and n a multiple of 32 (the caller checks). See `gemm_panels`.
+    """
+    gemm_panels(a, b, c, m, k, n, 0, n // PANEL)
+
+
+@numba.njit(nogil=True, parallel=True, cache=True)
+def gemm_parallel(a, b, c, m, k, n, parts):  # noqa: ANN001 - typed by numba
+    """`gemm` with the panels split into `parts` contiguous ranges run by numba's thread pool."""
+    panels = n // PANEL
+    for p in numba.prange(parts):
+        gemm_panels(a, b, c, m, k, n, panels * p // parts, panels * (p + 1) // parts)
+
+
+@numba.njit(nogil=True, cache=True)
+def gemm_panels(a, b, c, m, k, n, j0, j1):  # noqa: ANN001 - typed by numba
+    """Columns [32 j0, 32 j1) of C[m, n] = A[m, k] @ W.T (see `gemm`).
+
+    Up to CHUNK rows at a time, panel by panel: every 8-row block of the chunk runs
+    over the panel, and the first two blocks hint the next panel (the range's first
+    again after its last) into L2 half each (a lone block hints all of it), so that its
+    weights stream in from memory while this one computes. Chunks keep a prompt step's
+    rows of A in cache while all of the weights pass by.
     """
     pairs = k // 2
-    panels = n // PANEL
     panel_bytes = pairs * PANEL * 4
     lda = k * 2
     ldc = n * 2
@@ -167,12 +183,12 @@ def gemm(a, b, c, m, k, n):  # noqa: ANN001 - typed by numba
         blocks = (rows + ROWS - 1) // ROWS
         a_c = a + first * lda
         c_c = c + first * ldc
-        for j in range(panels):
+        for j in range(j0, j1):
             b_j = b + j * panel_bytes
-            if j + 1 < panels:
+            if j + 1 < j1:
                 ahead = b_j + panel_bytes
             elif more:
-                ahead = b
+                ahead = b + j0 * panel_bytes
             else:
                 ahead = b_j
             c_j = c_c + j * PANEL * 2

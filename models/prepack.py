@@ -8,9 +8,10 @@ much as the arithmetic: on one thread of this project's machine (float32,
 the LM head (N = 32000) at 76 and 94; at 512 rows the two are within a few percent.
 The packed tensor replaces the plain weight, so a rank holds one copy.
 
-A bfloat16 weight packed on a one-thread process, where this CPU has avx512_bf16, is
-laid out for our own kernel instead (models/bf16_gemm.py): faster than oneDNN's over
-a decode step's rows, level with it over a prompt step's, and cheaper per call.
+A bfloat16 weight, where this CPU has avx512_bf16, is laid out for our own kernel
+instead (models/bf16_gemm.py), on one thread or several: faster than oneDNN's over a
+decode step's rows, level with it or a little faster over a prompt step's, and cheaper
+per call.
 
 Only CPU tensors in float32 or bfloat16 are packed, and only where this torch
 build has oneDNN's ops (`torch.ops.mkldnn._reorder_linear_weight`); elsewhere
@@ -71,8 +72,8 @@ class PackedWeight:
             raise ValueError(f"a packed weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()
-        # bfloat16 on a one-thread rank: our kernel (models/bf16_gemm.py), chosen once, here.
-        self.own_kernel = torch.get_num_threads() == 1 and bf16_gemm.supports(weight)
+        # bfloat16: our kernel (models/bf16_gemm.py) where it can run, chosen once, here.
+        self.own_kernel = bf16_gemm.supports(weight)
         if self.own_kernel:
             self.packed = bf16_gemm.pack(weight)
         else:

@@ -152,10 +152,11 @@ class LlamaWorker:
         kv_write_kernel: on CPU, each layer stores its keys and values in the paged cache
             and the KV mirror with one numba call (models/kv_write.py) instead of four
             indexing ops; False, or where numba is missing, keeps torch's ops.
-        bf16_gemm_kernel: on a CPU with avx512_bf16, a bfloat16 rank with one thread runs
-            its linears through models/bf16_gemm.py's kernel instead of oneDNN's GEMM
-            (needs prepack_weights); False, or where numba or the instruction is missing,
-            keeps oneDNN. Process-wide while the weights are packed, as norm_rope_kernels.
+        bf16_gemm_kernel: on a CPU with avx512_bf16, a bfloat16 rank runs its linears
+            through models/bf16_gemm.py's kernel (on numba's pool with several threads)
+            instead of oneDNN's GEMM (needs prepack_weights); False, or where numba or the
+            instruction is missing, keeps oneDNN. Process-wide while the weights are
+            packed, as norm_rope_kernels.
     """
 
     def __init__(
@@ -343,14 +344,13 @@ class LlamaWorker:
             raise RuntimeError(f"{self.where}: call init_distributed() before load_model()")
         num_blocks = self._num_blocks()  # before reading weights: a budget too small fails fast
         stage, report = load_stage(layout, self.model_path, self.dtype, self.device, self.tp_group)
-        # Our bf16 GEMM kernel (process-wide, as the packing reads it) for a one-thread CPU rank.
+        # Our bf16 GEMM kernel (process-wide, as the packing reads it) for a CPU rank.
         self.bf16_gemm_kernel = (
             self.bf16_gemm_kernel
             and self.prepack_weights
             and self.device.type == "cpu"
             and self.dtype == torch.bfloat16
-            and self.num_threads == 1
-            and bf16_gemm.prepare()
+            and bf16_gemm.prepare(self.num_threads)
         )
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             bf16_gemm.set_enabled(self.bf16_gemm_kernel)

@@ -127,9 +127,10 @@ class LLM:
         kv_write_kernel: on CPU, each layer stores its keys and values in the paged cache
             and the KV mirror with one numba call (models/kv_write.py); True by default,
             torch's indexing ops where numba is missing.
-        bf16_gemm_kernel: on a CPU with avx512_bf16, bfloat16 ranks with one thread run
-            their linears through our GEMM kernel (models/bf16_gemm.py) instead of
-            oneDNN's; True by default, oneDNN where numba or the instruction is missing.
+        bf16_gemm_kernel: on a CPU with avx512_bf16, bfloat16 ranks run their linears
+            through our GEMM kernel (models/bf16_gemm.py; split over numba's pool on ranks
+            with several threads) instead of oneDNN's; True by default, oneDNN where numba
+            or the instruction is missing.
         keep_freed_memory: on CPU, each rank's glibc keeps freed memory in the process
             (models/host_memory.py): faster large steps, RSS stays at its peak.
         max_num_seqs, max_num_batched_tokens: the most sequences / tokens in one batch;

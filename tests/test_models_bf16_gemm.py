@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,10 +30,27 @@ def kernel_switched_on():
 
 @pytest.fixture
 def one_thread():
-    # PackedWeight takes the kernel only on a one-thread process, as a rank is.
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
+    torch.set_num_threads(before)
+
+
+def _pool_size() -> int:
+    import numba
+
+    return numba.config.NUMBA_NUM_THREADS
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    # One thread runs the kernel on the caller's thread; two split the panels over numba's pool.
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    if request.param > 1 and _pool_size() > 1:
+        # Built and checked, not fallen back to one thread.
+        assert bf16_gemm._parallel_kernel() is not None
+    yield request.param
     torch.set_num_threads(before)
 
 
@@ -43,14 +64,15 @@ def _close_to_float32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> No
 # Row counts around the 8-row blocks and the 64-row chunks; widths of one and several panels.
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 31, 32, 33, 63, 64, 65, 130, 513])
 @pytest.mark.parametrize("k, n", [(2, 32), (40, 64), (512, 96), (1408, 512)])
-def test_kernel_equals_f_linear_for_any_row_count_and_shape(rows, k, n):
+def test_kernel_equals_f_linear_for_any_row_count_and_shape(rows, k, n, threads):
     g = torch.Generator().manual_seed(rows * 7 + k + n)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(rows, k, generator=g).bfloat16()
     _close_to_float32(bf16_gemm.linear(x, bf16_gemm.pack(w)), x, w)
+    assert torch.get_num_threads() == threads
 
 
-def test_mostly_bit_for_bit_with_torch_bfloat16_linear():
+def test_mostly_bit_for_bit_with_torch_bfloat16_linear(threads):
     # Same float32 sums in another order: at most a rare one-ulp difference from torch's own result.
     g = torch.Generator().manual_seed(1)
     w = torch.randn(1408, 512, generator=g).bfloat16()
@@ -87,7 +109,7 @@ def test_supports_only_what_the_kernel_can_run():
 
 
 @pytest.mark.skipif(not prepack_supported(torch.bfloat16, "cpu"), reason="no oneDNN bfloat16 packing")
-def test_packed_weight_takes_the_kernel_on_one_thread_only(one_thread):
+def test_packed_weight_takes_the_kernel_where_it_can_run(threads):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(96, 64, generator=g).bfloat16()
     b = torch.randn(96, generator=g).bfloat16()
@@ -97,11 +119,44 @@ def test_packed_weight_takes_the_kernel_on_one_thread_only(one_thread):
     torch.testing.assert_close(packed.linear(x).float(), F.linear(x, w, b).float(), rtol=2**-7, atol=2e-2)
     assert not PackedWeight(torch.randn(48, 64).bfloat16()).own_kernel  # oneDNN for what the kernel cannot run
     assert not PackedWeight(w.float()).own_kernel
-    torch.set_num_threads(2)
-    assert not PackedWeight(w).own_kernel  # oneDNN splits a GEMM over threads; the kernel does not
-    torch.set_num_threads(1)
     bf16_gemm.set_enabled(False)
     try:
         assert not PackedWeight(w).own_kernel
     finally:
         bf16_gemm.set_enabled(True)
+
+
+_THREADS_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from models import bf16_gemm
+
+    threads = int(sys.argv[1])
+    torch.set_num_threads(threads)
+    assert bf16_gemm.prepare(threads)
+    w = torch.randn(96, 64).bfloat16()
+    packed = bf16_gemm.pack(w)
+    for rows in (1, 9, 70):
+        x = torch.randn(rows, 64).bfloat16()
+        torch.testing.assert_close(bf16_gemm.linear(x, packed).float(), x.float() @ w.float().T, rtol=2**-7, atol=1e-2)
+    import numba
+
+    pool_expected = threads > 1 and numba.config.NUMBA_NUM_THREADS > 1
+    pool_built = bf16_gemm._parallel_kernel.cache_info().currsize and bf16_gemm._parallel_kernel() is not None
+    print(torch.get_num_threads(), int(pool_built), int(pool_expected))
+    """
+)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_kernel_keeps_the_rank_thread_count(threads: int) -> None:
+    # In a fresh process: numba's OpenMP pool shares torch's runtime, and once started it
+    # can set torch's thread count to the machine's core count. A one-thread rank must
+    # never start it; one with more threads uses it and keeps its count.
+    proc = subprocess.run(
+        [sys.executable, "-c", _THREADS_SCRIPT, str(threads)], capture_output=True, text=True, timeout=100, check=True
+    )
+    torch_threads, pool_built, pool_expected = map(int, proc.stdout.split())
+    assert torch_threads == threads
+    assert pool_built == pool_expected, "only a process with several threads (and cores) uses numba's pool"

@@ -83,7 +83,7 @@ ENGINE_SWITCHES = (
     ("--no-shm-handoff", "shm_handoff", "hidden states between stages through gloo send/recv (LLM shm_handoff=False)"),
     ("--no-norm-rope", "norm_rope_kernels", "torch's ops for RMSNorm and rotary embeddings (LLM norm_rope_kernels=False)"),
     ("--no-kv-write", "kv_write_kernel", "torch's indexing ops to store keys and values (LLM kv_write_kernel=False)"),
-    ("--no-bf16-gemm", "bf16_gemm_kernel", "oneDNN's GEMM for bf16 linears on one-thread ranks (LLM bf16_gemm_kernel=False)"),
+    ("--no-bf16-gemm", "bf16_gemm_kernel", "oneDNN's GEMM for bf16 linears (LLM bf16_gemm_kernel=False)"),
 )
 
 
