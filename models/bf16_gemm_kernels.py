@@ -18,6 +18,8 @@ has avx512_bf16: LLVM cannot compile the intrinsic for one that does not.
 
 from __future__ import annotations
 
+import functools
+
 import numba
 from llvmlite import ir
 from numba import types
@@ -60,8 +62,20 @@ def _function(module: ir.Module, name: str, ftype: ir.FunctionType) -> ir.Functi
     return existing if existing is not None else ir.Function(module, ftype, name)
 
 
-@intrinsic
-def _rows_times_panel(typingctx, rows, a, b, c, pairs, lda, ldc, ahead, ahead_step, ahead_second):  # noqa: ANN001, ANN202
+def _panel_intrinsic(float32_out: bool):  # noqa: ANN202 - a numba intrinsic
+    """The micro-kernel intrinsic, storing C in bfloat16 (rounded once) or, for float32_out, as float32 sums."""
+
+    @intrinsic
+    def rows_times_panel(typingctx, rows, a, b, c, pairs, lda, ldc, ahead, ahead_step, ahead_second):  # noqa: ANN001, ANN202
+        return _rows_times_panel_sig, functools.partial(_rows_times_panel_codegen, float32_out)
+
+    return rows_times_panel
+
+
+_rows_times_panel_sig = types.void(*[types.int64] * 10)
+
+
+def _rows_times_panel_codegen(float32_out, context, builder, signature, args):  # noqa: ANN001, ANN202
     """C[rows, 32] = A[rows, K] @ panel for 1 <= rows <= 8, hinting lines at `ahead` into L2.
 
     a, b, c, ahead: byte addresses of A's first row, the panel, C's first row and what to
@@ -70,80 +84,83 @@ def _rows_times_panel(typingctx, rows, a, b, c, pairs, lda, ldc, ahead, ahead_st
     (0: the same line again, for one line a pair). One loop is built per row count, each
     with its sums in registers, and `rows` picks one (an LLVM switch).
     """
-    i64 = types.int64
-    sig = types.void(i64, i64, i64, i64, i64, i64, i64, i64, i64, i64)
+    nrows, a0, b0, c0, npairs, lda_, ldc_, ahead0, step, second = args
+    module = builder.module
+    dot = _function(
+        module, "llvm.x86.avx512bf16.dpbf16ps.512", ir.FunctionType(_F32x16, [_F32x16, _BF16x32, _BF16x32])
+    )
+    to_bf16 = _function(module, "llvm.x86.avx512bf16.cvtneps2bf16.512", ir.FunctionType(_BF16x16, [_F32x16]))
+    prefetch = _function(module, "llvm.prefetch.p0", ir.FunctionType(ir.VoidType(), [_I8P, _I32, _I32, _I32]))
 
-    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-        nrows, a0, b0, c0, npairs, lda_, ldc_, ahead0, step, second = args
-        module = builder.module
-        dot = _function(
-            module, "llvm.x86.avx512bf16.dpbf16ps.512", ir.FunctionType(_F32x16, [_F32x16, _BF16x32, _BF16x32])
-        )
-        to_bf16 = _function(module, "llvm.x86.avx512bf16.cvtneps2bf16.512", ir.FunctionType(_BF16x16, [_F32x16]))
-        prefetch = _function(module, "llvm.prefetch.p0", ir.FunctionType(ir.VoidType(), [_I8P, _I32, _I32, _I32]))
+    def at(base, *offsets):  # noqa: ANN001, ANN202
+        for off in offsets:
+            base = builder.add(base, off)
+        return base
 
-        def at(base, *offsets):  # noqa: ANN001, ANN202
-            for off in offsets:
-                base = builder.add(base, off)
-            return base
-
-        def rows_loop(num_rows: int, entry: ir.Block, end: ir.Block) -> None:
-            # From `entry`: the loop over k-pairs for num_rows rows, then their stores, then `end`.
-            loop = builder.append_basic_block(f"pairs{num_rows}")
-            done = builder.append_basic_block(f"store{num_rows}")
-            builder.position_at_end(entry)
-            builder.branch(loop)
-            builder.position_at_end(loop)
-            pair = builder.phi(_I64)
-            pair.add_incoming(_I64(0), entry)
-            sums = []
-            for _ in range(num_rows * 2):
-                acc = builder.phi(_F32x16)
-                acc.add_incoming(ir.Constant(_F32x16, None), entry)
-                sums.append(acc)
-            b_at = at(b0, builder.mul(pair, _I64(PANEL * 4)))
-            halves = [
-                builder.load(builder.inttoptr(at(b_at, _I64(64 * h)), _BF16x32.as_pointer()), align=1) for h in (0, 1)
-            ]
-            ahead_at = at(ahead0, builder.mul(pair, step))
-            for line_at in (ahead_at, at(ahead_at, second)):
-                # A read (0), kept in L2 and below (2), of data (1): L1 holds the panel in use.
-                builder.call(prefetch, [builder.inttoptr(line_at, _I8P), _I32(0), _I32(2), _I32(1)])
-            a_at = at(a0, builder.mul(pair, _I64(4)))
-            new = []
-            for r in range(num_rows):
-                a_pair = builder.load(
-                    builder.inttoptr(at(a_at, builder.mul(lda_, _I64(r))), _I32.as_pointer()), align=2
-                )
-                splat = builder.insert_element(ir.Constant(_I32x16, None), a_pair, _I32(0))
-                splat = builder.shuffle_vector(splat, ir.Constant(_I32x16, None), ir.Constant(_I32x16, [0] * 16))
-                a_bf16 = builder.bitcast(splat, _BF16x32)
-                for h in (0, 1):
-                    new.append(builder.call(dot, [sums[2 * r + h], halves[h], a_bf16]))
-            next_pair = builder.add(pair, _I64(1))
-            pair.add_incoming(next_pair, builder.block)
-            for acc, value in zip(sums, new):
-                acc.add_incoming(value, builder.block)
-            builder.cbranch(builder.icmp_signed("<", next_pair, npairs), loop, done)
-            builder.position_at_end(done)
-            for r in range(num_rows):
-                row_at = at(c0, builder.mul(ldc_, _I64(r)))
-                for h in (0, 1):
+    def rows_loop(num_rows: int, entry: ir.Block, end: ir.Block) -> None:
+        # From `entry`: the loop over k-pairs for num_rows rows, then their stores, then `end`.
+        loop = builder.append_basic_block(f"pairs{num_rows}")
+        done = builder.append_basic_block(f"store{num_rows}")
+        builder.position_at_end(entry)
+        builder.branch(loop)
+        builder.position_at_end(loop)
+        pair = builder.phi(_I64)
+        pair.add_incoming(_I64(0), entry)
+        sums = []
+        for _ in range(num_rows * 2):
+            acc = builder.phi(_F32x16)
+            acc.add_incoming(ir.Constant(_F32x16, None), entry)
+            sums.append(acc)
+        b_at = at(b0, builder.mul(pair, _I64(PANEL * 4)))
+        halves = [
+            builder.load(builder.inttoptr(at(b_at, _I64(64 * h)), _BF16x32.as_pointer()), align=1) for h in (0, 1)
+        ]
+        ahead_at = at(ahead0, builder.mul(pair, step))
+        for line_at in (ahead_at, at(ahead_at, second)):
+            # A read (0), kept in L2 and below (2), of data (1): L1 holds the panel in use.
+            builder.call(prefetch, [builder.inttoptr(line_at, _I8P), _I32(0), _I32(2), _I32(1)])
+        a_at = at(a0, builder.mul(pair, _I64(4)))
+        new = []
+        for r in range(num_rows):
+            a_pair = builder.load(
+                builder.inttoptr(at(a_at, builder.mul(lda_, _I64(r))), _I32.as_pointer()), align=2
+            )
+            splat = builder.insert_element(ir.Constant(_I32x16, None), a_pair, _I32(0))
+            splat = builder.shuffle_vector(splat, ir.Constant(_I32x16, None), ir.Constant(_I32x16, [0] * 16))
+            a_bf16 = builder.bitcast(splat, _BF16x32)
+            for h in (0, 1):
+                new.append(builder.call(dot, [sums[2 * r + h], halves[h], a_bf16]))
+        next_pair = builder.add(pair, _I64(1))
+        pair.add_incoming(next_pair, builder.block)
+        for acc, value in zip(sums, new):
+            acc.add_incoming(value, builder.block)
+        builder.cbranch(builder.icmp_signed("<", next_pair, npairs), loop, done)
+        builder.position_at_end(done)
+        for r in range(num_rows):
+            row_at = at(c0, builder.mul(ldc_, _I64(r)))
+            for h in (0, 1):
+                if float32_out:
+                    ptr = builder.inttoptr(at(row_at, _I64(64 * h)), _F32x16.as_pointer())
+                    builder.store(new[2 * r + h], ptr, align=4)
+                else:
                     out = builder.call(to_bf16, [new[2 * r + h]])
                     builder.store(out, builder.inttoptr(at(row_at, _I64(32 * h)), _BF16x16.as_pointer()), align=2)
-            builder.branch(end)
+        builder.branch(end)
 
-        end = builder.append_basic_block("rows_done")
-        starts = {n: builder.append_basic_block(f"rows{n}") for n in range(1, ROWS + 1)}
-        switch = builder.switch(nrows, starts[ROWS])  # the caller passes 1..8
-        for n, block in starts.items():
-            switch.add_case(_I64(n), block)
-        for n, block in starts.items():
-            rows_loop(n, block, end)
-        builder.position_at_end(end)
-        return context.get_dummy_value()
+    end = builder.append_basic_block("rows_done")
+    starts = {n: builder.append_basic_block(f"rows{n}") for n in range(1, ROWS + 1)}
+    switch = builder.switch(nrows, starts[ROWS])  # the caller passes 1..8
+    for n, block in starts.items():
+        switch.add_case(_I64(n), block)
+    for n, block in starts.items():
+        rows_loop(n, block, end)
+    builder.position_at_end(end)
+    return context.get_dummy_value()
 
-    return sig, codegen
+
+# C in bfloat16 (the GEMM's) and in float32 (attention scores, models/prompt_attention_kernels.py).
+_rows_times_panel = _panel_intrinsic(False)
+rows_times_panel_f32 = _panel_intrinsic(True)
 
 
 @numba.njit(nogil=True, cache=True)

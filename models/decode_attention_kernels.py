@@ -45,8 +45,8 @@ EXP_POLY = (
 
 
 @numba.njit(fastmath=FASTMATH, nogil=True, cache=True)
-def softmax_rows(s, n, scale_bits):  # noqa: ANN001 - typed by numba
-    """In place: each row g of s[:, :n] becomes softmax(s[g, :n]), in float32.
+def softmax_rows(s, n, scale_bits, scale):  # noqa: ANN001 - typed by numba
+    """In place: each row g of s[:, :n] becomes softmax(s[g, :n] * scale), in float32 (scale > 0).
 
     `scale_bits` is int32 scratch of at least n: the 2^k factors, built as bits.
     A NaN in a row makes the row NaN, as np.exp would.
@@ -58,7 +58,7 @@ def softmax_rows(s, n, scale_bits):  # noqa: ANN001 - typed by numba
         for t in range(1, n):
             m = max(m, s[g, t])
         for t in range(n):
-            x = s[g, t] - m
+            x = (s[g, t] - m) * scale
             under = x < EXP_MIN
             x = max(x, EXP_MIN)
             k = np.floor(x * LOG2E + np.float32(0.5))
@@ -171,7 +171,7 @@ def attend(q, kbuf, vbuf, rows, counts, scale, out, lo, hi):  # noqa: ANN001 - t
                     for d in range(dim):
                         a += qh[g, d] * widen(row[d])
                     s[g, t] = a * scale
-        softmax_rows(s, n, bits)
+        softmax_rows(s, n, bits, np.float32(1.0))
         acc[:] = 0.0
         if groups == 2:
             t = 0

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models import norm_rope
+from models import norm_rope, prompt_attention
 from models.argmax import row_argmax
 from models.config import BoundaryMove, LlamaArgs
 from models.kv_cache import LayerKV, PagedKVCache
@@ -196,7 +196,13 @@ class Attention(nn.Module):
         # A decode-only step's output is the decode group's, in place of a scatter into `out`.
         dec = step.decode
         out = None if dec is not None and dec.every_row else torch.empty_like(q)
-        for p in step.prefills:
+        prefills = step.prefills
+        whole = [p for p in prefills if p.block_table is None]  # chunks that are their whole context
+        if whole and prompt_attention.attend_prompts(
+            q, k, v, out, [p.start for p in whole], [p.stop for p in whole], self.scale
+        ):
+            prefills = [p for p in prefills if p.block_table is not None]  # one kernel call did the rest
+        for p in prefills:
             # One sequence's chunk; [1, heads, Q, d] layout for attention.
             qs = q[p.start : p.stop].transpose(0, 1)[None]
             if p.block_table is None:  # the chunk is its whole context

@@ -48,7 +48,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from models import argmax, bf16_gemm, decode_attention, kv_write, norm_rope
+from models import argmax, bf16_gemm, decode_attention, kv_write, norm_rope, prompt_attention
 from models.batch import ModelBatch, ModelOutput
 from models.config import (
     BoundaryMove,
@@ -157,6 +157,10 @@ class LlamaWorker:
             instead of oneDNN's GEMM (needs prepack_weights); False, or where numba or the
             instruction is missing, keeps oneDNN. Process-wide while the weights are
             packed, as norm_rope_kernels.
+        prompt_attention_kernel: on a CPU with avx512_bf16, a bfloat16 rank attends prompt
+            chunks that are their sequence's whole context through models/prompt_attention.py
+            (the GEMM kernel's micro-kernel) instead of SDPA; False, or where numba or the
+            instruction is missing, keeps SDPA. Process-wide, as norm_rope_kernels.
     """
 
     def __init__(
@@ -182,6 +186,7 @@ class LlamaWorker:
         norm_rope_kernels: bool = True,
         kv_write_kernel: bool = True,
         bf16_gemm_kernel: bool = True,
+        prompt_attention_kernel: bool = True,
     ) -> None:
         self.ctx = ctx
         self.where = f"rank (pp={ctx.pp}, tp={ctx.tp})"
@@ -238,6 +243,7 @@ class LlamaWorker:
         self.norm_rope_kernels = bool(norm_rope_kernels)  # and loaded: see load_model
         self.kv_write_kernel = bool(kv_write_kernel)  # and loaded: see load_model
         self.bf16_gemm_kernel = bool(bf16_gemm_kernel)  # and loaded: see load_model
+        self.prompt_attention_kernel = bool(prompt_attention_kernel)  # and loaded: see load_model
         # Before the weights and KV cache are allocated, so those too come from the heap.
         self.keeps_freed_memory = self.device.type == "cpu" and keep_freed_memory and _keep_freed_memory()
         self.num_packed = 0
@@ -377,6 +383,15 @@ class LlamaWorker:
         else:
             self.norm_rope_kernels = False  # GPU tensors never take them; other models in this process keep theirs
         self.kv_write_kernel = self.kv_write_kernel and self.device.type == "cpu" and kv_write.prepare()
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            self.prompt_attention_kernel = (
+                self.prompt_attention_kernel
+                and prompt_attention.fits(self.args.head_dim)
+                and prompt_attention.prepare(self.num_threads)
+            )
+            prompt_attention.set_enabled(self.prompt_attention_kernel)  # process-wide (see the option)
+        else:
+            self.prompt_attention_kernel = False  # float32 and GPU keep SDPA; other models in this process keep theirs
         self.cache = PagedKVCache(
             layout.cache_layers,
             num_blocks,
@@ -416,6 +431,7 @@ class LlamaWorker:
             "norm_rope_kernels": self.norm_rope_kernels,
             "kv_write_kernel": self.kv_write_kernel,
             "bf16_gemm_kernel": self.bf16_gemm_kernel,
+            "prompt_attention_kernel": self.prompt_attention_kernel,
         }
 
     def _num_blocks(self) -> int:
@@ -704,6 +720,7 @@ class LlamaWorker:
             "norm_rope_kernels": self.norm_rope_kernels,
             "kv_write_kernel": self.kv_write_kernel,
             "bf16_gemm_kernel": self.bf16_gemm_kernel,
+            "prompt_attention_kernel": self.prompt_attention_kernel,
             "keeps_freed_memory": self.keeps_freed_memory,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),

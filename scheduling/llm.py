@@ -131,6 +131,10 @@ class LLM:
             through our GEMM kernel (models/bf16_gemm.py; split over numba's pool on ranks
             with several threads) instead of oneDNN's; True by default, oneDNN where numba
             or the instruction is missing.
+        prompt_attention_kernel: on a CPU with avx512_bf16, bfloat16 ranks attend prompt
+            chunks that are their sequence's whole context through our kernel
+            (models/prompt_attention.py) instead of SDPA; True by default, SDPA where numba
+            or the instruction is missing.
         keep_freed_memory: on CPU, each rank's glibc keeps freed memory in the process
             (models/host_memory.py): faster large steps, RSS stays at its peak.
         max_num_seqs, max_num_batched_tokens: the most sequences / tokens in one batch;
@@ -174,6 +178,7 @@ class LLM:
         norm_rope_kernels: bool = True,
         kv_write_kernel: bool = True,
         bf16_gemm_kernel: bool = True,
+        prompt_attention_kernel: bool = True,
         keep_freed_memory: bool = True,
         max_num_seqs: int = 256,
         max_num_batched_tokens: Optional[int] = None,
@@ -246,6 +251,8 @@ class LLM:
             worker_kwargs["kv_write_kernel"] = False
         if not bf16_gemm_kernel:
             worker_kwargs["bf16_gemm_kernel"] = False
+        if not prompt_attention_kernel:
+            worker_kwargs["prompt_attention_kernel"] = False
         if num_threads is not None:
             worker_kwargs["num_threads"] = int(num_threads)
         if layer_split is not None:

@@ -42,7 +42,7 @@ def test_the_kernel_softmax_stays_within_a_few_ulp_of_an_exact_one() -> None:
     rows[:, 0] = 0.0
     rows[1::2] /= 20  # and rows of close scores
     got = rows.copy()
-    softmax_rows(got, rows.shape[1], np.empty(rows.shape[1], np.int32))
+    softmax_rows(got, rows.shape[1], np.empty(rows.shape[1], np.int32), np.float32(1.0))
     exact = np.exp(rows.astype(np.float64) - rows.max(axis=1, keepdims=True))
     exact /= exact.sum(axis=1, keepdims=True)
     normal = exact > np.finfo(np.float32).tiny
@@ -52,7 +52,7 @@ def test_the_kernel_softmax_stays_within_a_few_ulp_of_an_exact_one() -> None:
     assert (got[~normal] <= np.finfo(np.float32).tiny).all()
     # As np.exp would: -inf scores weigh 0, a NaN or a second +inf makes the row NaN.
     special = np.array([[0.0, -np.inf, 3.0], [1.0, np.nan, 2.0], [np.inf, 1.0, np.inf]], np.float32)
-    softmax_rows(special, 3, np.empty(3, np.int32))
+    softmax_rows(special, 3, np.empty(3, np.int32), np.float32(1.0))
     assert special[0, 1] == 0.0 and abs(special[0].sum() - 1.0) < 1e-6
     assert np.isnan(special[1]).all() and np.isnan(special[2]).all()
 

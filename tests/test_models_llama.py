@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import models.config
-from models import bf16_gemm
+from models import bf16_gemm, prompt_attention
 from actors.context import ActorContext
 from models.batch import ModelBatch, SequenceChunk
 from models.config import (
@@ -468,6 +468,9 @@ def test_bfloat16_logits_stay_close_to_float32(checkpoints, num_threads, gemm_ke
         info = worker.load_model()
         # Our GEMM kernel wherever this CPU can run it, on one thread or split over several.
         assert info["bf16_gemm_kernel"] == (gemm_kernel and bf16_gemm.prepare(worker.num_threads))
+        # Heads of 16 values are not whole panels: the prompt attention kernel declines them
+        # (tests/test_models_prompt_attention.py runs it in a model).
+        assert not info["prompt_attention_kernel"]
         tables = block_tables([len(p) for p in PROMPTS], BLOCK)
         logits = worker.compute_logits(prefill_batch(PROMPTS, tables))
         expected = reference_last_logits(checkpoints["single"], PROMPTS)
@@ -477,6 +480,7 @@ def test_bfloat16_logits_stay_close_to_float32(checkpoints, num_threads, gemm_ke
     finally:
         torch.set_num_threads(threads_before)
         bf16_gemm.set_enabled(True)
+        prompt_attention.set_enabled(True)
 
 
 def test_step_trace_records_each_step_in_order_and_clears(workers):

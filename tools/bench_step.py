@@ -129,7 +129,7 @@ class StepParts:
 def run(
     threads: int, cpus: list[int], dtype: str, kv_mirror_mb: int, profile: bool,
     prepack: bool = True, keep_memory: bool = True, decode_kernel: bool = True, top: int = 8,
-    kv_write_kernel: bool = True, bf16_gemm_kernel: bool = True,
+    kv_write_kernel: bool = True, bf16_gemm_kernel: bool = True, prompt_attention_kernel: bool = True,
     max_num_seqs: int = 256, parts: bool = False, num_prompts: int = NUM_PROMPTS, output_len: int = OUTPUT_LEN,
 ) -> dict:
     import prompt_sets
@@ -141,6 +141,7 @@ def run(
         kv_cache_bytes=DEFAULT_KV_CACHE_BYTES, kv_mirror_bytes=kv_mirror_mb * 2**20,
         prepack_weights=prepack, keep_freed_memory=keep_memory, decode_kernel=decode_kernel,
         kv_write_kernel=kv_write_kernel, bf16_gemm_kernel=bf16_gemm_kernel,
+        prompt_attention_kernel=prompt_attention_kernel,
     )
     worker.init_distributed()
     info = worker.load_model()
@@ -187,6 +188,7 @@ def run(
         "decode_kernel": decode_kernel,
         "kv_write_kernel": info["kv_write_kernel"],
         "bf16_gemm_kernel": info["bf16_gemm_kernel"],
+        "prompt_attention_kernel": info["prompt_attention_kernel"],
         "keeps_freed_memory": worker.keeps_freed_memory,
         "prefill_s": round(prefill_s, 3),
         "decode_steps": len(decode_s),
@@ -220,6 +222,9 @@ def main() -> None:
     parser.add_argument("--no-decode-kernel", action="store_true", help="SDPA for decode attention (models/decode_attention.py off)")
     parser.add_argument("--no-kv-write", action="store_true", help="torch's indexing ops to store keys and values (models/kv_write.py off)")
     parser.add_argument("--no-bf16-gemm", action="store_true", help="oneDNN's GEMM for bf16 linears (models/bf16_gemm.py off)")
+    parser.add_argument(
+        "--no-prompt-attention", action="store_true", help="SDPA for bf16 prompt attention (models/prompt_attention.py off)"
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences per batch (so decode rows per step: at most 64 here)")
     parser.add_argument("--release-memory", action="store_true", help="glibc's default malloc (models/host_memory.py off)")
     args = parser.parse_args()
@@ -228,6 +233,7 @@ def main() -> None:
         args.threads, cpus, args.dtype, args.kv_mirror_mb, args.profile,
         prepack=not args.no_prepack, keep_memory=not args.release_memory, decode_kernel=not args.no_decode_kernel,
         kv_write_kernel=not args.no_kv_write, bf16_gemm_kernel=not args.no_bf16_gemm,
+        prompt_attention_kernel=not args.no_prompt_attention,
         top=args.top, max_num_seqs=args.max_num_seqs, parts=args.parts,
     )
     print(json.dumps(line), flush=True)

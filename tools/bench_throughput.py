@@ -84,6 +84,7 @@ ENGINE_SWITCHES = (
     ("--no-norm-rope", "norm_rope_kernels", "torch's ops for RMSNorm and rotary embeddings (LLM norm_rope_kernels=False)"),
     ("--no-kv-write", "kv_write_kernel", "torch's indexing ops to store keys and values (LLM kv_write_kernel=False)"),
     ("--no-bf16-gemm", "bf16_gemm_kernel", "oneDNN's GEMM for bf16 linears (LLM bf16_gemm_kernel=False)"),
+    ("--no-prompt-attention", "prompt_attention_kernel", "SDPA for bf16 prompt attention (LLM prompt_attention_kernel=False)"),
 )
 
 

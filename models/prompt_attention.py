@@ -1,0 +1,189 @@
+"""Causal attention of bfloat16 prompt chunks on CPU through the AVX512-BF16 GEMM micro-kernel.
+
+A prompt step attends each chunk that is its sequence's whole context to itself,
+causally. `F.scaled_dot_product_attention` ran that at about 0.62 ms per 128-token
+sequence and layer of the default model on one Zen 4 core (its flash kernel over
+small blocks; about 54 GFLOP/s), 14% of a 512-token prompt step. Here both products go
+through the micro-kernel of models/bf16_gemm_kernels.py (scores in float32, only the
+key panels a block of rows can see), with a float32 softmax between them and the
+probabilities rounded to bfloat16 for the product with the values, as SDPA's CPU
+kernel rounds them for bfloat16 inputs (models/prompt_attention_kernels.py).
+
+It needs bfloat16, a head_dim that is a multiple of 32, numba and a CPU with
+avx512_bf16; elsewhere, or with the switch off (`set_enabled(False)`: a worker's
+`prompt_attention_kernel=False`), `attend_prompts` returns False and the caller keeps
+SDPA. A rank with one thread runs every chunk on it; one with more splits the chunks
+over numba's pool, as decode attention does.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+from models import bf16_gemm
+from models.numba_kernels import load_checked
+
+__all__ = ["attend_prompts", "enabled", "fits", "prepare", "set_enabled", "supports"]
+
+logger = logging.getLogger(__name__)
+
+_Kernel = Callable[..., None]
+
+_enabled = True
+
+
+def set_enabled(on: bool) -> None:
+    """Run whole-context bf16 prompt chunks through the kernel (True, the default) or through SDPA (False). Process-wide."""
+    global _enabled
+    _enabled = bool(on)
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int], stops: list[int], scale: float) -> torch.Tensor:
+    """What the kernel computes, through SDPA in float32: [T, H, D]."""
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    for s, e in zip(starts, stops):
+        qs, ks, vs = (t[s:e].float().transpose(0, 1)[None] for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        out[s:e] = o[0].transpose(0, 1)
+    return out
+
+
+def _check(run: Callable[..., None]) -> None:
+    # Builds (or loads from numba's cache) and checks a kernel now, so a broken toolchain fails once, here.
+    g = torch.Generator().manual_seed(0)
+    for heads, kv_heads, dim, lengths in ((4, 2, 32, (1, 5, 33)), (2, 2, 64, (70, 2))):
+        total = sum(lengths)
+        q = torch.randn(total, heads, dim, generator=g).bfloat16()
+        k = torch.randn(total, kv_heads, dim, generator=g).bfloat16()
+        v = torch.randn(total, kv_heads, dim, generator=g).bfloat16()
+        stops = torch.tensor(lengths).cumsum(0)
+        starts = stops - torch.tensor(lengths)
+        out = torch.full_like(q, float("nan"))
+        run(q, k, v, out, starts, stops, 0.3)
+        want = _reference(q, k, v, starts.tolist(), stops.tolist(), 0.3)
+        # bf16 probabilities and a bf16 result: within a few bf16 ulps of the float32 attention.
+        if not torch.allclose(out.float(), want, rtol=2e-2, atol=2e-2):
+            worst = (out.float() - want).abs().max().item()
+            raise RuntimeError(f"the prompt attention kernel differs from SDPA by {worst} (heads {heads}/{kv_heads}, dim {dim})")
+
+
+def _as_bits(t: torch.Tensor) -> Any:
+    return t.view(torch.int16).numpy()
+
+
+def _call(kernel: _Kernel, parts: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+          starts: torch.Tensor, stops: torch.Tensor, scale: float) -> None:
+    import numpy as np
+
+    args = (_as_bits(q), _as_bits(k), _as_bits(v), _as_bits(out), starts.numpy(), stops.numpy(), np.float32(scale))
+    if parts == 1:
+        kernel(*args, 0, starts.shape[0])
+        return
+    import numba
+
+    # numba's OpenMP pool is the same runtime as torch's: using it can change torch's thread count.
+    threads = torch.get_num_threads()
+    numba.set_num_threads(parts)
+    try:
+        kernel(*args, parts)
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel() -> Optional[_Kernel]:
+    """The one-thread kernel; None where numba, the instruction or its check is missing."""
+    if not bf16_gemm.prepare(1):
+        return None  # no avx512_bf16 or no numba: the micro-kernel cannot be built
+    return load_checked(
+        "models.prompt_attention_kernels",
+        lambda kern: kern.attend_chunks,
+        lambda kernel: _check(lambda *a: _call(kernel, 1, *a)),
+        "the prompt attention kernel",
+        "prompt attention uses SDPA",
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _parallel_kernel() -> Optional[_Kernel]:
+    """The thread-pool kernel, built on the first call from a rank with several threads (None: one thread serves)."""
+    if _kernel() is None:
+        return None
+    from models import prompt_attention_kernels as kern
+
+    try:
+        _check(lambda *a: _call(kern.attend_chunks_parallel, 2, *a))
+    except Exception as exc:  # noqa: BLE001 - fall back to one thread
+        logger.warning("parallel prompt attention kernel unavailable (%s): attending on one thread", exc)
+        return None
+    return kern.attend_chunks_parallel
+
+
+@functools.lru_cache(maxsize=1)
+def _pool_size() -> int:
+    import numba
+
+    return int(numba.config.NUMBA_NUM_THREADS)
+
+
+def prepare(threads: Optional[int] = None) -> bool:
+    """Builds the kernels a rank with `threads` threads runs (a worker calls it while loading); whether they can run."""
+    if _kernel() is None:
+        return False
+    threads = torch.get_num_threads() if threads is None else threads
+    if min(threads, _pool_size()) > 1:
+        _parallel_kernel()
+    return True
+
+
+def fits(head_dim: int) -> bool:
+    """Whether heads of this size can take the kernel (whole panels of 32 values)."""
+    return head_dim > 0 and head_dim % bf16_gemm.PANEL == 0
+
+
+def supports(q: torch.Tensor) -> bool:
+    """Whether chunks with queries like q [T, H, D] can take the kernel here."""
+    return (
+        _enabled
+        and q.device.type == "cpu"
+        and q.dtype == torch.bfloat16
+        and q.dim() == 3
+        and fits(q.shape[2])
+        and not torch.is_grad_enabled()
+        and _kernel() is not None
+    )
+
+
+def attend_prompts(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, starts: list[int], stops: list[int], scale: float
+) -> bool:
+    """out[s:e] = causal attention of q[s:e] over k[s:e], v[s:e] for each chunk; False where the kernel cannot run.
+
+    q, out [T, H, D] and k, v [T, KV, D]: contiguous CPU bfloat16 tensors (H a multiple of
+    KV). Each chunk [starts[i], stops[i]) is its sequence's whole context. Nothing is
+    written when it returns False.
+    """
+    if not (starts and supports(q)):
+        return False
+    if not all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in (q, k, v, out)):
+        return False
+    if k.shape != v.shape or k.shape[0] != q.shape[0] or out.shape != q.shape or q.shape[1] % k.shape[1]:
+        raise ValueError(f"prompt attention: queries {tuple(q.shape)} do not match keys {tuple(k.shape)}, values {tuple(v.shape)}")
+    parts = min(torch.get_num_threads(), _pool_size(), len(starts))
+    pool = _parallel_kernel() if parts > 1 else None
+    kernel = pool if pool is not None else _kernel()
+    assert kernel is not None
+    _call(kernel, parts if pool is not None else 1, q, k, v, out,
+          torch.tensor(starts, dtype=torch.int64), torch.tensor(stops, dtype=torch.int64), scale)
+    return True
