@@ -14,8 +14,9 @@ weight's panels over numba's thread pool, as many ways as it has torch threads (
 decode attention does): with two threads on two Zen 4 cores, 280-420 GFLOP/s at 32
 rows against oneDNN's 160-350, 350-440 at 64 against 260-390, and 430-450 at 512
 against 400-435. It needs a CPU with avx512_bf16 and numba; without either, nothing
-here is built and callers keep oneDNN. The result is the float32 sum rounded to bfloat16, as oneDNN's;
-sums are taken in another order, so a value can differ from oneDNN's by one bf16 ulp.
+here is built and callers keep oneDNN. The result is the float32 sum rounded to
+bfloat16, as oneDNN's; sums are taken in another order, so a value can differ from
+oneDNN's by one bf16 ulp.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
-from models.numba_kernels import load_checked
+from models.numba_kernels import load_checked, pool_size, run_on_pool
 
 __all__ = ["PANEL", "enabled", "linear", "pack", "prepare", "set_enabled", "supports"]
 
@@ -102,8 +103,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """
     kernel = _kernel()
     assert kernel is not None, "pack() needs supports() first"
-    threads = torch.get_num_threads()
-    parts = min(threads, _pool_size())
+    parts = min(torch.get_num_threads(), pool_size())
     pool = _parallel_kernel() if parts > 1 else None
     panels, pairs = packed.shape[0], packed.shape[1]
     n, k = panels * PANEL, pairs * 2
@@ -118,23 +118,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     m = a.shape[0]
     out = torch.empty((m, n), dtype=torch.bfloat16)
     if m and pool is not None:
-        _run_parallel(pool, parts, threads, a.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n)
+        run_on_pool(pool, parts, a.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n)
     elif m:
         kernel(a.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n)
     return out.view(*lead, n)
-
-
-def _run_parallel(pool: _Kernel, parts: int, threads: int, *args: int) -> None:
-    import numba
-
-    # numba's OpenMP pool is the same runtime as torch's (one libgomp per process), and
-    # starting or using it can change torch's thread count: put it back.
-    numba.set_num_threads(parts)
-    try:
-        pool(*args, parts)
-    finally:
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
 
 
 def _check(run: Callable[[int, int, int, int, int, int], None]) -> None:
@@ -180,9 +167,8 @@ def _parallel_kernel() -> Optional[_Kernel]:
         return None
     from models import bf16_gemm_kernels as kern
 
-    threads = torch.get_num_threads()
     try:
-        _check(lambda *args: _run_parallel(kern.gemm_parallel, 2, threads, *args))
+        _check(lambda *args: run_on_pool(kern.gemm_parallel, 2, *args))
     except Exception as exc:  # noqa: BLE001 - fall back to one thread
         logger.warning("parallel bf16 GEMM kernel unavailable (%s): bfloat16 linears run on one thread", exc)
         return None
@@ -197,14 +183,7 @@ def prepare(threads: Optional[int] = None) -> bool:
     if _kernel() is None:
         return False
     threads = torch.get_num_threads() if threads is None else threads
-    if min(threads, _pool_size()) > 1:
+    if min(threads, pool_size()) > 1:
         _parallel_kernel()
     return True
 
-
-@functools.lru_cache(maxsize=1)
-def _pool_size() -> int:
-    """The most threads numba's pool can run (NUMBA_NUM_THREADS, fixed once numba is loaded)."""
-    import numba  # loaded already: the kernel is
-
-    return int(numba.config.NUMBA_NUM_THREADS)

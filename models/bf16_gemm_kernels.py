@@ -159,7 +159,7 @@ def _rows_times_panel_codegen(float32_out, context, builder, signature, args):  
 
 
 # C in bfloat16 (the GEMM's) and in float32 (attention scores, models/prompt_attention_kernels.py).
-_rows_times_panel = _panel_intrinsic(False)
+rows_times_panel = _panel_intrinsic(False)
 rows_times_panel_f32 = _panel_intrinsic(True)
 
 
@@ -214,9 +214,9 @@ def gemm_panels(a, b, c, m, k, n, j0, j1):  # noqa: ANN001 - typed by numba
                 a_blk = a_c + blk * ROWS * lda
                 c_blk = c_j + blk * ROWS * ldc
                 if blocks == 1:
-                    _rows_times_panel(r, a_blk, b_j, c_blk, pairs, lda, ldc, ahead, 128, 64)
+                    rows_times_panel(r, a_blk, b_j, c_blk, pairs, lda, ldc, ahead, 128, 64)
                 elif blk < 2:
-                    _rows_times_panel(r, a_blk, b_j, c_blk, pairs, lda, ldc, ahead + blk * pairs * 64, 64, 0)
+                    rows_times_panel(r, a_blk, b_j, c_blk, pairs, lda, ldc, ahead + blk * pairs * 64, 64, 0)
                 else:
                     # The next panel is on its way: hint lines of this one, already in cache.
-                    _rows_times_panel(r, a_blk, b_j, c_blk, pairs, lda, ldc, b_j, 64, 0)
+                    rows_times_panel(r, a_blk, b_j, c_blk, pairs, lda, ldc, b_j, 64, 0)

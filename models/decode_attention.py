@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from models.numba_kernels import load_checked
+from models.numba_kernels import load_checked, pool_size, run_on_pool
 
 __all__ = ["available", "mirror_decode_attention", "prepare", "supports"]
 
@@ -104,10 +104,8 @@ def prepare(threads: Optional[int] = None) -> bool:
     """
     if not available():
         return False
-    import numba
-
     threads = torch.get_num_threads() if threads is None else threads
-    if min(threads, numba.config.NUMBA_NUM_THREADS) > 1:
+    if min(threads, pool_size()) > 1:
         _parallel_kernel()
     return True
 
@@ -128,7 +126,6 @@ def _run(
     scale: float,
 ) -> torch.Tensor:
     """Runs `kernel` on every task: on this thread (parts == 1), else as `parts` ranges on numba's pool."""
-    import numba
     import numpy as np
 
     out = torch.empty(q.shape, dtype=torch.float32)
@@ -138,16 +135,8 @@ def _run(
     args = (q.float().contiguous().numpy(), as_np(k_buf), as_np(v_buf), rows.numpy(), counts.numpy(), np.float32(scale), out.numpy())
     if parts == 1:
         kernel(*args, 0, q.shape[0] * q.shape[1])
-        return out
-    # numba's OpenMP pool is the same runtime as torch's (one libgomp per process), and
-    # starting or using it can change torch's thread count: put it back.
-    threads = torch.get_num_threads()
-    numba.set_num_threads(parts)
-    try:
-        kernel(*args, parts)
-    finally:
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+    else:
+        run_on_pool(kernel, parts, *args)
     return out
 
 
@@ -184,10 +173,8 @@ def mirror_decode_attention(
         raise ValueError(
             f"decode attention: queries {tuple(q.shape)} do not match keys {tuple(k_buf.shape)} and {rows.shape[0]} rows"
         )
-    import numba
-
     # The rank's torch thread count is its share of cores; the kernel uses as many.
-    parts = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    parts = min(torch.get_num_threads(), pool_size())
     pool = _parallel_kernel() if parts > 1 else None
     kernel = pool if pool is not None else _kernel()
     assert kernel is not None  # supports() built it

@@ -9,12 +9,13 @@ build or did not compute what torch computes.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from types import ModuleType
-from typing import Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
-__all__ = ["load_checked"]
+__all__ = ["load_checked", "pool_size", "run_on_pool"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,3 +41,31 @@ def load_checked(
         logger.warning("%s unavailable (%s): %s", what, exc, instead)
         return None
     return kernels
+
+
+@functools.lru_cache(maxsize=1)
+def pool_size() -> int:
+    """The most threads numba's pool can run (NUMBA_NUM_THREADS, fixed once numba is loaded); 1 without numba."""
+    try:
+        import numba
+    except ImportError:
+        return 1
+    return int(numba.config.NUMBA_NUM_THREADS)
+
+
+def run_on_pool(kernel: Callable[..., Any], parts: int, *args: Any) -> Any:
+    """`kernel(*args, parts)`, a numba `parallel=True` kernel, on `parts` threads of numba's pool.
+
+    numba's OpenMP pool is the same runtime as torch's (one libgomp per process), and
+    starting or using it can change torch's thread count: this puts it back.
+    """
+    import numba
+    import torch
+
+    threads = torch.get_num_threads()
+    numba.set_num_threads(parts)
+    try:
+        return kernel(*args, parts)
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from models import bf16_gemm
-from models.numba_kernels import load_checked
+from models.numba_kernels import load_checked, pool_size, run_on_pool
 
 __all__ = ["attend_prompts", "enabled", "fits", "prepare", "set_enabled", "supports"]
 
@@ -88,17 +88,8 @@ def _call(kernel: _Kernel, parts: int, q: torch.Tensor, k: torch.Tensor, v: torc
     args = (_as_bits(q), _as_bits(k), _as_bits(v), _as_bits(out), starts.numpy(), stops.numpy(), np.float32(scale))
     if parts == 1:
         kernel(*args, 0, starts.shape[0])
-        return
-    import numba
-
-    # numba's OpenMP pool is the same runtime as torch's: using it can change torch's thread count.
-    threads = torch.get_num_threads()
-    numba.set_num_threads(parts)
-    try:
-        kernel(*args, parts)
-    finally:
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+    else:
+        run_on_pool(kernel, parts, *args)
 
 
 @functools.lru_cache(maxsize=1)
@@ -130,19 +121,12 @@ def _parallel_kernel() -> Optional[_Kernel]:
     return kern.attend_chunks_parallel
 
 
-@functools.lru_cache(maxsize=1)
-def _pool_size() -> int:
-    import numba
-
-    return int(numba.config.NUMBA_NUM_THREADS)
-
-
 def prepare(threads: Optional[int] = None) -> bool:
     """Builds the kernels a rank with `threads` threads runs (a worker calls it while loading); whether they can run."""
     if _kernel() is None:
         return False
     threads = torch.get_num_threads() if threads is None else threads
-    if min(threads, _pool_size()) > 1:
+    if min(threads, pool_size()) > 1:
         _parallel_kernel()
     return True
 
@@ -180,7 +164,7 @@ def attend_prompts(
         return False
     if k.shape != v.shape or k.shape[0] != q.shape[0] or out.shape != q.shape or q.shape[1] % k.shape[1]:
         raise ValueError(f"prompt attention: queries {tuple(q.shape)} do not match keys {tuple(k.shape)}, values {tuple(v.shape)}")
-    parts = min(torch.get_num_threads(), _pool_size(), len(starts))
+    parts = min(torch.get_num_threads(), pool_size(), len(starts))
     pool = _parallel_kernel() if parts > 1 else None
     kernel = pool if pool is not None else _kernel()
     assert kernel is not None

@@ -18,7 +18,7 @@ import numba
 import numpy as np
 
 from models.bf16_gemm import PANEL
-from models.bf16_gemm_kernels import ROWS, _rows_times_panel, rows_times_panel_f32
+from models.bf16_gemm_kernels import ROWS, rows_times_panel, rows_times_panel_f32
 from models.decode_attention_kernels import FASTMATH, softmax_rows
 
 # Query rows per block: the scores of a block over 2048 keys are 512 KB in float32.
@@ -101,7 +101,7 @@ def attend_chunks(q, k, v, out, starts, stops, scale, lo, hi):  # noqa: ANN001 -
                         b_j = vp_addr + j * vp_panel
                         for blk in range(0, rows, ROWS):
                             r = min(ROWS, rows - blk)
-                            _rows_times_panel(
+                            rows_times_panel(
                                 r, p_addr + blk * cap * 2, b_j, o_addr + (first + blk) * q_row + j * PANEL * 2,
                                 pairs, cap * 2, q_row, b_j, 64, 0,
                             )
