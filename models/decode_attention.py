@@ -50,33 +50,34 @@ _DTYPES = (torch.float32, torch.bfloat16)
 _Kernel = Callable[..., None]
 
 
-def _check(run: Callable[[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-    # Compiles (or loads from numba's cache) and checks a kernel pair now, so a broken toolchain fails once, here.
-    for dtype in _DTYPES:
-        q = torch.randn(2, 2, 2, 8)
-        kv = torch.randn(2, 3, 2, 5, 8).to(dtype)
-        rows, counts = torch.tensor([2, 0]), torch.tensor([5, 3])
-        got = run(dtype, q, kv[0], kv[1], rows, counts)
-        want = _reference(q, kv[0], kv[1], rows, counts, 0.3)
-        if not torch.allclose(got, want, atol=1e-5, rtol=1e-4):
-            raise RuntimeError(f"the {dtype} kernel differs from SDPA by {(got - want).abs().max().item()}")
+def _check(run: Callable[..., torch.Tensor], dtype: torch.dtype) -> None:
+    # Compiles (or loads from numba's cache) and checks a kernel for keys of `dtype` now, so
+    # a broken toolchain fails once, here. One dtype at a time: each is a compile of its own
+    # (3-4 s here), and a rank needs one.
+    q = torch.randn(2, 2, 2, 8)
+    kv = torch.randn(2, 3, 2, 5, 8).to(dtype)
+    rows, counts = torch.tensor([2, 0]), torch.tensor([5, 3])
+    got = run(q, kv[0], kv[1], rows, counts)
+    want = _reference(q, kv[0], kv[1], rows, counts, 0.3)
+    if not torch.allclose(got, want, atol=1e-5, rtol=1e-4):
+        raise RuntimeError(f"the {dtype} kernel differs from SDPA by {(got - want).abs().max().item()}")
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel() -> Optional[_Kernel]:
-    """The one-thread kernel (both dtypes); None where numba is missing or it fails its check."""
+@functools.lru_cache(maxsize=None)
+def _kernel(dtype: torch.dtype) -> Optional[_Kernel]:
+    """The one-thread kernel for keys of `dtype`; None where numba is missing or it fails its check."""
     return load_checked(
         "models.decode_attention_kernels",
         lambda kern: kern.attend,
-        lambda kernel: _check(lambda dtype, *a: _run(kernel, 1, *a, 0.3)),
-        "decode attention kernel",
+        lambda kernel: _check(lambda *a: _run(kernel, 1, *a, 0.3), dtype),
+        f"{dtype} decode attention kernel",
         "decode attention uses SDPA",
     )
 
 
-@functools.lru_cache(maxsize=1)
-def _parallel_kernel() -> Optional[_Kernel]:
-    """The thread-pool kernel, built on the first call from a rank with several threads.
+@functools.lru_cache(maxsize=None)
+def _parallel_kernel(dtype: torch.dtype) -> Optional[_Kernel]:
+    """The thread-pool kernel for keys of `dtype`, built on the first call from a rank with several threads.
 
     None where it cannot run (the one-thread kernel serves then). A rank with one
     thread never builds it, so it never starts numba's pool.
@@ -84,35 +85,38 @@ def _parallel_kernel() -> Optional[_Kernel]:
     from models import decode_attention_kernels as kern
 
     try:
-        _check(lambda dtype, *a: _run(kern.attend_parallel, 2, *a, 0.3))
+        _check(lambda *a: _run(kern.attend_parallel, 2, *a, 0.3), dtype)
     except Exception as exc:  # noqa: BLE001 - fall back to one thread
         logger.warning("parallel decode attention kernel unavailable (%s): attending on one thread", exc)
         return None
     return kern.attend_parallel
 
 
-def available() -> bool:
-    """Whether the kernel can run here (imports numba and compiles on the first call)."""
-    return _kernel() is not None
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the kernel can run here for keys of `dtype` (imports numba and compiles on the first call)."""
+    return dtype in _DTYPES and _kernel(dtype) is not None
 
 
-def prepare(threads: Optional[int] = None) -> bool:
+def prepare(threads: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> bool:
     """Builds now (compiles, or loads from numba's cache) the kernels a rank with `threads` threads will run.
 
-    Default: this process's torch thread count. Returns `available()`. A worker calls it
-    while loading, so that its first decode step does not pay for it.
+    Default: this process's torch thread count, and both dtypes (a worker names its own:
+    each costs a compile the first time on a machine). Returns whether they can run. A
+    worker calls it while loading, so that its first decode step does not pay for it.
     """
-    if not available():
+    dtypes = _DTYPES if dtype is None else (dtype,)
+    if not all(available(d) for d in dtypes):
         return False
     threads = torch.get_num_threads() if threads is None else threads
     if min(threads, pool_size()) > 1:
-        _parallel_kernel()
+        for d in dtypes:
+            _parallel_kernel(d)
     return True
 
 
 def supports(like: torch.Tensor) -> bool:
     """Whether the kernel can attend keys like `like` (CPU, float32 or bfloat16, numba built)."""
-    return like.device.type == "cpu" and like.dtype in _DTYPES and available()
+    return like.device.type == "cpu" and available(like.dtype)
 
 
 def _run(
@@ -175,7 +179,7 @@ def mirror_decode_attention(
         )
     # The rank's torch thread count is its share of cores; the kernel uses as many.
     parts = min(torch.get_num_threads(), pool_size())
-    pool = _parallel_kernel() if parts > 1 else None
-    kernel = pool if pool is not None else _kernel()
+    pool = _parallel_kernel(k_buf.dtype) if parts > 1 else None
+    kernel = pool if pool is not None else _kernel(k_buf.dtype)
     assert kernel is not None  # supports() built it
     return _run(kernel, parts if pool is not None else 1, q, k_buf, v_buf, rows, counts, scale).to(q.dtype)

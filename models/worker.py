@@ -370,7 +370,7 @@ class LlamaWorker:
             and self.device.type == "cpu"
             and self.kv_mirror_bytes > 0
             and self.dtype in (torch.float32, torch.bfloat16)
-            and decode_attention.prepare(self.num_threads)
+            and decode_attention.prepare(self.num_threads, self.dtype)
         )
         if layout.is_last_stage and self.device.type == "cpu":
             argmax.prepare()  # the greedy argmax kernel, also numba: built now, not in the first step

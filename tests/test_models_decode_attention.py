@@ -187,7 +187,7 @@ def test_attention_layer_gives_the_same_output_with_and_without_the_kernel(monke
     assert not calls
     torch.testing.assert_close(with_kernel, without, rtol=1e-5, atol=1e-6)
     # Where numba cannot be used the same layer falls back to SDPA.
-    monkeypatch.setattr(decode_attention, "_kernel", lambda: None)
+    monkeypatch.setattr(decode_attention, "_kernel", lambda dtype: None)
     fallback = _decode_layer(True)
     assert not calls
     torch.testing.assert_close(fallback, without, rtol=1e-5, atol=1e-6)
