@@ -211,6 +211,10 @@ class Attention(nn.Module):
                 o = attend(qs, ks, vs, self.scale, causal=True)
             else:
                 ks, vs = cache.gather(p.block_table)
+                # The cached prefix and the chunk: the kernel where it serves, else SDPA with the mask.
+                keys = [p.start_pos + p.stop - p.start]
+                if prompt_attention.attend_prompts(q, ks[0], vs[0], out, [p.start], [p.stop], self.scale, [0], keys):
+                    continue
                 o = attend(qs, ks.transpose(1, 2), vs.transpose(1, 2), self.scale, mask=p.mask)
             out[p.start : p.stop] = o[0].transpose(0, 1)
         if dec is not None:

@@ -1,9 +1,10 @@
 """Causal attention of bfloat16 prompt chunks on CPU through the AVX512-BF16 GEMM micro-kernel.
 
-A prompt step attends each chunk that is its sequence's whole context to itself,
-causally. `F.scaled_dot_product_attention` ran that at about 0.62 ms per 128-token
-sequence and layer of the default model on one Zen 4 core (its flash kernel over
-small blocks; about 54 GFLOP/s), 14% of a 512-token prompt step. Here both products go
+A prompt step attends each chunk to its sequence's keys causally: to itself where the
+chunk is the whole context, else to the cached prefix and itself.
+`F.scaled_dot_product_attention` ran a 128-token chunk at about 0.62 ms per layer of the
+default model on one Zen 4 core (its flash kernel over small blocks; about 54 GFLOP/s),
+14% of a 512-token prompt step. Here both products go
 through the micro-kernel of models/bf16_gemm_kernels.py (scores in float32, only the
 key panels a block of rows can see), with a float32 softmax between them and the
 probabilities rounded to bfloat16 for the product with the values, as SDPA's CPU
@@ -46,13 +47,21 @@ def enabled() -> bool:
     return _enabled
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int], stops: list[int], scale: float) -> torch.Tensor:
-    """What the kernel computes, through SDPA in float32: [T, H, D]."""
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: list[int], stops: list[int], scale: float,
+    key_starts: Optional[list[int]] = None, key_counts: Optional[list[int]] = None,
+) -> torch.Tensor:
+    """What the kernel computes (see `attend_prompts`), through SDPA in float32: [T, H, D]."""
     out = torch.zeros(q.shape, dtype=torch.float32)
-    for s, e in zip(starts, stops):
-        qs, ks, vs = (t[s:e].float().transpose(0, 1)[None] for t in (q, k, v))
+    key_starts = starts if key_starts is None else key_starts
+    key_counts = [e - s for s, e in zip(starts, stops)] if key_counts is None else key_counts
+    for s, e, ks_, n in zip(starts, stops, key_starts, key_counts):
+        qs = q[s:e].float().transpose(0, 1)[None]
+        ks, vs = (t[ks_ : ks_ + n].float().transpose(0, 1)[None] for t in (k, v))
+        # Query i sees the keys before the chunk and the chunk's first i + 1.
+        mask = torch.arange(n)[None, :] <= torch.arange(e - s)[:, None] + (n - (e - s))
         o = torch.nn.functional.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+            qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
         out[s:e] = o[0].transpose(0, 1)
     return out
@@ -69,7 +78,7 @@ def _check(run: Callable[..., None]) -> None:
         stops = torch.tensor(lengths).cumsum(0)
         starts = stops - torch.tensor(lengths)
         out = torch.full_like(q, float("nan"))
-        run(q, k, v, out, starts, stops, 0.3)
+        run(q, k, v, out, starts, stops, starts, stops - starts, 0.3)
         want = _reference(q, k, v, starts.tolist(), stops.tolist(), 0.3)
         # bf16 probabilities and a bf16 result: within a few bf16 ulps of the float32 attention.
         if not torch.allclose(out.float(), want, rtol=2e-2, atol=2e-2):
@@ -82,10 +91,14 @@ def _as_bits(t: torch.Tensor) -> Any:
 
 
 def _call(kernel: _Kernel, parts: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-          starts: torch.Tensor, stops: torch.Tensor, scale: float) -> None:
+          starts: torch.Tensor, stops: torch.Tensor, key_starts: torch.Tensor, key_counts: torch.Tensor,
+          scale: float) -> None:
     import numpy as np
 
-    args = (_as_bits(q), _as_bits(k), _as_bits(v), _as_bits(out), starts.numpy(), stops.numpy(), np.float32(scale))
+    args = (
+        _as_bits(q), _as_bits(k), _as_bits(v), _as_bits(out),
+        starts.numpy(), stops.numpy(), key_starts.numpy(), key_counts.numpy(), np.float32(scale),
+    )
     if parts == 1:
         kernel(*args, 0, starts.shape[0])
     else:
@@ -150,24 +163,38 @@ def supports(q: torch.Tensor) -> bool:
 
 
 def attend_prompts(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, starts: list[int], stops: list[int], scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, starts: list[int], stops: list[int],
+    scale: float, key_starts: Optional[list[int]] = None, key_counts: Optional[list[int]] = None,
 ) -> bool:
-    """out[s:e] = causal attention of q[s:e] over k[s:e], v[s:e] for each chunk; False where the kernel cannot run.
+    """Causal attention of each chunk's queries over its keys, into out; False where the kernel cannot run.
 
-    q, out [T, H, D] and k, v [T, KV, D]: contiguous CPU bfloat16 tensors (H a multiple of
-    KV). Each chunk [starts[i], stops[i]) is its sequence's whole context. Nothing is
-    written when it returns False.
+    q, out [T, H, D] and k, v [L, KV, D]: contiguous CPU bfloat16 tensors (H a multiple of
+    KV). Chunk i's queries are rows starts[i]:stops[i] of q, and its result goes to the
+    same rows of out. Its keys and values are rows key_starts[i]:key_starts[i] +
+    key_counts[i] of k and v (default: the chunk's own rows, the chunk being its whole
+    context), at least as many as its queries: the last query sees them all, each
+    earlier one a key fewer (a cached prefix, then the chunk). Nothing is written when it
+    returns False.
     """
     if not (starts and supports(q)):
         return False
     if not all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in (q, k, v, out)):
         return False
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or out.shape != q.shape or q.shape[1] % k.shape[1]:
+    if key_starts is None or key_counts is None:
+        key_starts, key_counts = starts, [e - s for s, e in zip(starts, stops)]
+    if k.shape != v.shape or out.shape != q.shape or q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2]:
         raise ValueError(f"prompt attention: queries {tuple(q.shape)} do not match keys {tuple(k.shape)}, values {tuple(v.shape)}")
+    for s, e, ks, n in zip(starts, stops, key_starts, key_counts):
+        if not (0 <= s < e <= q.shape[0] and 0 <= ks and e - s <= n and ks + n <= k.shape[0]):
+            raise ValueError(
+                f"prompt attention: a chunk of query rows [{s}, {e}) over key rows [{ks}, {ks + n}) does not fit "
+                f"{q.shape[0]} queries and {k.shape[0]} keys (keys must be at least as many as queries)"
+            )
     parts = min(torch.get_num_threads(), pool_size(), len(starts))
     pool = _parallel_kernel() if parts > 1 else None
     kernel = pool if pool is not None else _kernel()
     assert kernel is not None
+    as_index = functools.partial(torch.tensor, dtype=torch.int64)
     _call(kernel, parts if pool is not None else 1, q, k, v, out,
-          torch.tensor(starts, dtype=torch.int64), torch.tensor(stops, dtype=torch.int64), scale)
+          as_index(starts), as_index(stops), as_index(key_starts), as_index(key_counts), scale)
     return True

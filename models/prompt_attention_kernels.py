@@ -1,7 +1,7 @@
 """The numba kernel behind models/prompt_attention.py (imported only where numba is installed).
 
-`attend_chunks` runs causal attention over prompt chunks that are their sequence's
-whole context, with the AVX512-BF16 micro-kernel of models/bf16_gemm_kernels.py for
+`attend_chunks` runs causal attention of prompt chunks over their sequences' keys (the
+chunk's own, or a cached prefix and the chunk's), with the AVX512-BF16 micro-kernel of models/bf16_gemm_kernels.py for
 both products. Per chunk and kv head, the keys are packed as a weight of [keys, head_dim]
 (the scores' "output columns" are keys) and the values transposed as one of [head_dim,
 keys]. Per query head of the group and per block of up to 64 query rows: the scores of
@@ -26,18 +26,20 @@ BLOCK = 64
 
 
 @numba.njit(fastmath=FASTMATH, nogil=True, cache=True)
-def attend_chunks(q, k, v, out, starts, stops, scale, lo, hi):  # noqa: ANN001 - typed by numba
-    """Chunks [lo, hi): out[s:e, h] = softmax(q[s:e, h] k[s:e, h // G]^T * scale, causal) v[s:e, h // G].
+def attend_chunks(q, k, v, out, starts, stops, key_starts, key_counts, scale, lo, hi):  # noqa: ANN001 - typed by numba
+    """Chunks [lo, hi): out[s:e, h] = softmax(q[s:e, h] K^T * scale, causal) V, K and V of kv head h // G.
 
-    q, out [T, H, D] and k, v [T, KV, D]: C-contiguous int16 arrays of bfloat16 bits; D a
-    multiple of 32, H a multiple of KV. Chunk i is rows starts[i]:stops[i] of all four.
+    q, out [T, H, D] and k, v [L, KV, D]: C-contiguous int16 arrays of bfloat16 bits; D a
+    multiple of 32, H a multiple of KV. Chunk i's queries are rows starts[i]:stops[i] of q
+    (and out), its keys and values rows key_starts[i]:key_starts[i] + key_counts[i] of k and
+    v, at least as many: the last query sees every key, each earlier one a key fewer.
     """
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     groups = heads // kv_heads
     longest = 0
     for i in range(lo, hi):
-        longest = max(longest, stops[i] - starts[i])
+        longest = max(longest, key_counts[i])
     cap = (longest + PANEL - 1) // PANEL * PANEL
     kp = np.zeros((cap // PANEL, dim // 2, PANEL, 2), np.int16)  # keys as a packed weight
     vp = np.zeros((dim // PANEL, cap // 2, PANEL, 2), np.int16)  # values, transposed, packed
@@ -53,9 +55,11 @@ def attend_chunks(q, k, v, out, starts, stops, scale, lo, hi):  # noqa: ANN001 -
     q_row = heads * dim * 2  # bytes between consecutive tokens of q and out
     for i in range(lo, hi):
         start, length = starts[i], stops[i] - starts[i]
+        key_start, keys = key_starts[i], key_counts[i]
+        before = keys - length  # keys every query of the chunk sees: a cached prefix
         for h in range(kv_heads):
-            for t in range(length):
-                key, value = k[start + t, h], v[start + t, h]
+            for t in range(keys):
+                key, value = k[key_start + t, h], v[key_start + t, h]
                 j, c, pair, e = t // PANEL, t % PANEL, t // 2, t % 2
                 for d2 in range(dim // 2):
                     kp[j, d2, c, 0] = key[2 * d2]
@@ -63,19 +67,19 @@ def attend_chunks(q, k, v, out, starts, stops, scale, lo, hi):  # noqa: ANN001 -
                 for jd in range(dim // PANEL):
                     for cd in range(PANEL):
                         vp[jd, pair, cd, e] = value[jd * PANEL + cd]
-            if length % 2:
+            if keys % 2:
                 # The last pair's second value meets a probability of 0: make it a finite 0
                 # (an earlier chunk's value could be anything the model made, inf included).
                 for d in range(dim):
-                    vp[d // PANEL, length // 2, d % PANEL, 1] = 0
-            # Key panels past `length` are read for scores that no row keeps: left as they are.
+                    vp[d // PANEL, keys // 2, d % PANEL, 1] = 0
+            # Key panels past `keys` are read for scores that no row keeps: left as they are.
             for g in range(groups):
                 head = h * groups + g
                 q_addr = q_base + (start * heads + head) * dim * 2
                 o_addr = o_base + (start * heads + head) * dim * 2
                 for first in range(0, length, BLOCK):
                     rows = min(BLOCK, length - first)
-                    seen = first + rows  # the block's last row sees keys [0, seen)
+                    seen = before + first + rows  # the block's last row sees keys [0, seen)
                     panels = (seen + PANEL - 1) // PANEL
                     for j in range(panels):
                         b_j = kp_addr + j * kp_panel
@@ -87,7 +91,7 @@ def attend_chunks(q, k, v, out, starts, stops, scale, lo, hi):  # noqa: ANN001 -
                             )
                     pairs = (seen + 1) // 2
                     for r in range(rows):
-                        n = first + r + 1
+                        n = before + first + r + 1
                         row = s[r]
                         softmax_rows(s[r : r + 1], n, bits, scale)
                         # To bfloat16, rounding to nearest even (probabilities: finite, >= 0).
@@ -108,8 +112,9 @@ def attend_chunks(q, k, v, out, starts, stops, scale, lo, hi):  # noqa: ANN001 -
 
 
 @numba.njit(fastmath=FASTMATH, nogil=True, parallel=True, cache=True)
-def attend_chunks_parallel(q, k, v, out, starts, stops, scale, parts):  # noqa: ANN001 - typed by numba
+def attend_chunks_parallel(q, k, v, out, starts, stops, key_starts, key_counts, scale, parts):  # noqa: ANN001 - typed by numba
     """Every chunk, in `parts` contiguous ranges run by numba's thread pool."""
     chunks = starts.shape[0]
     for part in numba.prange(parts):
-        attend_chunks(q, k, v, out, starts, stops, scale, chunks * part // parts, chunks * (part + 1) // parts)
+        lo, hi = chunks * part // parts, chunks * (part + 1) // parts
+        attend_chunks(q, k, v, out, starts, stops, key_starts, key_counts, scale, lo, hi)

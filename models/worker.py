@@ -158,9 +158,10 @@ class LlamaWorker:
             instruction is missing, keeps oneDNN. Process-wide while the weights are
             packed, as norm_rope_kernels.
         prompt_attention_kernel: on a CPU with avx512_bf16, a bfloat16 rank attends prompt
-            chunks that are their sequence's whole context through models/prompt_attention.py
-            (the GEMM kernel's micro-kernel) instead of SDPA; False, or where numba or the
-            instruction is missing, keeps SDPA. Process-wide, as norm_rope_kernels.
+            chunks (over the cached prefix too, for a continued prompt) through
+            models/prompt_attention.py (the GEMM kernel's micro-kernel) instead of SDPA;
+            False, or where numba or the instruction is missing, keeps SDPA. Process-wide,
+            as norm_rope_kernels.
     """
 
     def __init__(

@@ -132,7 +132,7 @@ class LLM:
             with several threads) instead of oneDNN's; True by default, oneDNN where numba
             or the instruction is missing.
         prompt_attention_kernel: on a CPU with avx512_bf16, bfloat16 ranks attend prompt
-            chunks that are their sequence's whole context through our kernel
+            chunks (over the cached prefix too, for a continued prompt) through our kernel
             (models/prompt_attention.py) instead of SDPA; True by default, SDPA where numba
             or the instruction is missing.
         keep_freed_memory: on CPU, each rank's glibc keeps freed memory in the process

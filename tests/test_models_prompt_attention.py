@@ -11,6 +11,7 @@ import torch
 
 from actors.context import ActorContext
 from models import prompt_attention
+from models.batch import ModelBatch, SequenceChunk
 from models.worker import LlamaWorker
 from tests.model_checkpoints import TINY, block_tables, build_checkpoint, prefill_batch, reference_last_logits
 
@@ -71,6 +72,20 @@ def test_equals_sdpa_for_any_chunk_length_and_grouping(lengths, heads, kv_heads,
     assert torch.get_num_threads() == threads
 
 
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 32), (8, 2, 128)])
+def test_chunks_after_a_cached_prefix(heads, kv_heads, dim, threads):
+    # Queries [0, 10) over keys [0, 50): 40 keys before the chunk; [10, 80) over [50, 150);
+    # [80, 81) over [150, 151): a chunk of one query that is its whole context.
+    g = torch.Generator().manual_seed(heads + dim)
+    q = torch.randn(81, heads, dim, generator=g).bfloat16()
+    k, v = (torch.randn(160, kv_heads, dim, generator=g).bfloat16() for _ in range(2))
+    starts, stops, key_starts, key_counts = [0, 10, 80], [10, 80, 81], [0, 50, 150], [50, 100, 1]
+    out = torch.empty_like(q)
+    assert prompt_attention.attend_prompts(q, k, v, out, starts, stops, dim**-0.5, key_starts, key_counts)
+    want = prompt_attention._reference(q, k, v, starts, stops, dim**-0.5, key_starts, key_counts)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+
+
 def test_only_the_chunks_rows_are_written():
     q, k, v = _inputs([10, 20, 5], 4, 2, 32, seed=1)
     out = torch.full_like(q, 7.0)
@@ -101,8 +116,10 @@ def test_mismatched_shapes_raise():
     q, k, v = _inputs([8], 4, 2, 32, seed=4)
     with pytest.raises(ValueError, match="do not match keys"):
         prompt_attention.attend_prompts(q, k[:, :1].contiguous(), v, torch.empty_like(q), [0], [8], 0.2)
-    with pytest.raises(ValueError, match="do not match keys"):
+    with pytest.raises(ValueError, match=r"query rows \[0, 8\) over key rows \[0, 8\) does not fit 8 queries and 4 keys"):
         prompt_attention.attend_prompts(q, k[:4].contiguous(), v[:4].contiguous(), torch.empty_like(q), [0], [8], 0.2)
+    with pytest.raises(ValueError, match="keys must be at least as many as queries"):
+        prompt_attention.attend_prompts(q, k, v, torch.empty_like(q), [0], [8], 0.2, [0], [5])
 
 
 def test_a_bf16_model_with_it_computes_what_it_computes_with_sdpa(tmp_path):
@@ -123,6 +140,18 @@ def test_a_bf16_model_with_it_computes_what_it_computes_with_sdpa(tmp_path):
     finally:
         torch.set_num_threads(threads)
         prompt_attention.set_enabled(True)
+    # A prompt split in two steps: its second chunk attends the cached first one too.
+    long_prompt = list(range(10, 80))
+    for kernel in (True, False):
+        worker = LlamaWorker(ctx, path, dtype="bfloat16", kv_cache_bytes=2**20, block_size=8, prompt_attention_kernel=kernel)
+        worker.load_model()
+        table = block_tables([len(long_prompt)], 8)[0]
+        worker.compute_logits(ModelBatch(0, [SequenceChunk(0, long_prompt[:30], 0, table, sample=False)]))
+        split = worker.compute_logits(ModelBatch(1, [SequenceChunk(0, long_prompt[30:], 30, table)]))
+        worker.shutdown()
+        torch.set_num_threads(threads)
+        torch.testing.assert_close(split[0], logits[kernel][2], rtol=0, atol=0.05 * logits[kernel][2].abs().max().item())
+    prompt_attention.set_enabled(True)
     expected = reference_last_logits(path, prompts)
     # bf16 through four layers of this checkpoint strays up to ~7% of the largest logit
     # from float32 either way; the kernel and SDPA stray alike and pick the same tokens.
