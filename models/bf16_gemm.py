@@ -12,8 +12,8 @@ from memory, 200-215 at 64, and level with oneDNN from 512 rows up.
 A rank with one intra-op thread runs it on that thread. One with more splits the
 weight's panels over numba's thread pool, as many ways as it has torch threads (as
 decode attention does): with two threads on two Zen 4 cores, 280-420 GFLOP/s at 32
-rows against oneDNN's 160-350, 350-440 at 64 against 260-390, and 430-450 at 512
-against 400-435. It needs a CPU with avx512_bf16 and numba; without either, nothing
+rows against oneDNN's 160-350, 350-440 at 64 against 260-390, and 367-453 at 512
+against 362-436. It needs a CPU with avx512_bf16 and numba; without either, nothing
 here is built and callers keep oneDNN. The result is the float32 sum rounded to
 bfloat16, as oneDNN's; sums are taken in another order, so a value can differ from
 oneDNN's by one bf16 ulp.
@@ -27,9 +27,9 @@ from typing import Callable, Optional
 
 import torch
 
-from models.numba_kernels import load_checked, pool_size, run_on_pool
+from models.numba_kernels import load_checked, pool_size, run_on_pool, uses_pool
 
-__all__ = ["PANEL", "enabled", "linear", "pack", "prepare", "set_enabled", "supports"]
+__all__ = ["PANEL", "cpu_supported", "enabled", "linear", "pack", "prepare", "set_enabled", "supports"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,9 @@ def enabled() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def _cpu_has_bf16() -> bool:
+def cpu_supported() -> bool:
+    """Whether this CPU has avx512_bf16 as LLVM sees it: what the micro-kernel (here and in
+    models/prompt_attention.py) needs to be built at all."""
     # LLVM's view of the host, which is what numba compiles for; not models.config's
     # cpu_has_native_bf16, which also counts AMX and Arm bf16 and says yes when unsure.
     try:
@@ -144,7 +146,7 @@ def _check(run: Callable[[int, int, int, int, int, int], None]) -> None:
 @functools.lru_cache(maxsize=1)
 def _kernel() -> Optional[_Kernel]:
     """The kernel, built (or loaded from numba's cache) and checked on the first call; None if unusable."""
-    if not _cpu_has_bf16():
+    if not cpu_supported():
         logger.info("this CPU has no avx512_bf16: bfloat16 linears use oneDNN")
         return None
     return load_checked(
@@ -165,14 +167,13 @@ def _parallel_kernel() -> Optional[_Kernel]:
     """
     if _kernel() is None:
         return None
-    from models import bf16_gemm_kernels as kern
-
-    try:
-        _check(lambda *args: run_on_pool(kern.gemm_parallel, 2, *args))
-    except Exception as exc:  # noqa: BLE001 - fall back to one thread
-        logger.warning("parallel bf16 GEMM kernel unavailable (%s): bfloat16 linears run on one thread", exc)
-        return None
-    return kern.gemm_parallel
+    return load_checked(
+        "models.bf16_gemm_kernels",
+        lambda kern: kern.gemm_parallel,
+        lambda kernel: _check(lambda *args: run_on_pool(kernel, 2, *args)),
+        "the parallel bf16 GEMM kernel",
+        "bfloat16 linears run on one thread",
+    )
 
 
 def prepare(threads: Optional[int] = None) -> bool:
@@ -182,8 +183,7 @@ def prepare(threads: Optional[int] = None) -> bool:
     """
     if _kernel() is None:
         return False
-    threads = torch.get_num_threads() if threads is None else threads
-    if min(threads, pool_size()) > 1:
+    if uses_pool(threads):
         _parallel_kernel()
     return True
 

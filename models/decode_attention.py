@@ -33,16 +33,13 @@ and callers keep SDPA.
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any, Callable, Optional
 
 import torch
 
-from models.numba_kernels import load_checked, pool_size, run_on_pool
+from models.numba_kernels import load_checked, pool_size, run_on_pool, uses_pool
 
 __all__ = ["available", "mirror_decode_attention", "prepare", "supports"]
-
-logger = logging.getLogger(__name__)
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
@@ -82,14 +79,13 @@ def _parallel_kernel(dtype: torch.dtype) -> Optional[_Kernel]:
     None where it cannot run (the one-thread kernel serves then). A rank with one
     thread never builds it, so it never starts numba's pool.
     """
-    from models import decode_attention_kernels as kern
-
-    try:
-        _check(lambda *a: _run(kern.attend_parallel, 2, *a, 0.3), dtype)
-    except Exception as exc:  # noqa: BLE001 - fall back to one thread
-        logger.warning("parallel decode attention kernel unavailable (%s): attending on one thread", exc)
-        return None
-    return kern.attend_parallel
+    return load_checked(
+        "models.decode_attention_kernels",
+        lambda kern: kern.attend_parallel,
+        lambda kernel: _check(lambda *a: _run(kernel, 2, *a, 0.3), dtype),
+        f"parallel {dtype} decode attention kernel",
+        "decode attention runs on one thread",
+    )
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
@@ -107,8 +103,7 @@ def prepare(threads: Optional[int] = None, dtype: Optional[torch.dtype] = None) 
     dtypes = _DTYPES if dtype is None else (dtype,)
     if not all(available(d) for d in dtypes):
         return False
-    threads = torch.get_num_threads() if threads is None else threads
-    if min(threads, pool_size()) > 1:
+    if uses_pool(threads):
         for d in dtypes:
             _parallel_kernel(d)
     return True

@@ -15,7 +15,7 @@ import logging
 from types import ModuleType
 from typing import Any, Callable, Optional, TypeVar
 
-__all__ = ["load_checked", "pool_size", "run_on_pool"]
+__all__ = ["load_checked", "pool_size", "run_on_pool", "uses_pool"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,17 @@ def pool_size() -> int:
     except ImportError:
         return 1
     return int(numba.config.NUMBA_NUM_THREADS)
+
+
+def uses_pool(threads: Optional[int] = None) -> bool:
+    """Whether a process with `threads` torch threads (default: this one's) runs kernels on numba's pool.
+
+    A one-thread rank never does: starting the pool would reset torch's thread count.
+    """
+    import torch
+
+    threads = torch.get_num_threads() if threads is None else threads
+    return min(threads, pool_size()) > 1
 
 
 def run_on_pool(kernel: Callable[..., Any], parts: int, *args: Any) -> Any:

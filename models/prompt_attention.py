@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from models import bf16_gemm
-from models.numba_kernels import load_checked, pool_size, run_on_pool
+from models.numba_kernels import load_checked, pool_size, run_on_pool, uses_pool
 
 __all__ = ["attend_prompts", "enabled", "fits", "prepare", "set_enabled", "supports"]
 
@@ -108,8 +108,9 @@ def _call(kernel: _Kernel, parts: int, q: torch.Tensor, k: torch.Tensor, v: torc
 @functools.lru_cache(maxsize=1)
 def _kernel() -> Optional[_Kernel]:
     """The one-thread kernel; None where numba, the instruction or its check is missing."""
-    if not bf16_gemm.prepare(1):
-        return None  # no avx512_bf16 or no numba: the micro-kernel cannot be built
+    if not bf16_gemm.cpu_supported():
+        logger.info("this CPU has no avx512_bf16: prompt attention uses SDPA")
+        return None  # LLVM cannot build the micro-kernel here
     return load_checked(
         "models.prompt_attention_kernels",
         lambda kern: kern.attend_chunks,
@@ -124,22 +125,20 @@ def _parallel_kernel() -> Optional[_Kernel]:
     """The thread-pool kernel, built on the first call from a rank with several threads (None: one thread serves)."""
     if _kernel() is None:
         return None
-    from models import prompt_attention_kernels as kern
-
-    try:
-        _check(lambda *a: _call(kern.attend_chunks_parallel, 2, *a))
-    except Exception as exc:  # noqa: BLE001 - fall back to one thread
-        logger.warning("parallel prompt attention kernel unavailable (%s): attending on one thread", exc)
-        return None
-    return kern.attend_chunks_parallel
+    return load_checked(
+        "models.prompt_attention_kernels",
+        lambda kern: kern.attend_chunks_parallel,
+        lambda kernel: _check(lambda *a: _call(kernel, 2, *a)),
+        "the parallel prompt attention kernel",
+        "prompt attention runs on one thread",
+    )
 
 
 def prepare(threads: Optional[int] = None) -> bool:
     """Builds the kernels a rank with `threads` threads runs (a worker calls it while loading); whether they can run."""
     if _kernel() is None:
         return False
-    threads = torch.get_num_threads() if threads is None else threads
-    if min(threads, pool_size()) > 1:
+    if uses_pool(threads):
         _parallel_kernel()
     return True
 

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from models import bf16_gemm
+from models.numba_kernels import pool_size
 from models.prepack import PackedWeight, prepack_supported
+from tests.kernel_threads import run_with_threads
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -36,18 +34,12 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def _pool_size() -> int:
-    import numba
-
-    return numba.config.NUMBA_NUM_THREADS
-
-
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request):
     # One thread runs the kernel on the caller's thread; two split the panels over numba's pool.
     before = torch.get_num_threads()
     torch.set_num_threads(request.param)
-    if request.param > 1 and _pool_size() > 1:
+    if request.param > 1 and pool_size() > 1:
         # Built and checked, not fallen back to one thread.
         assert bf16_gemm._parallel_kernel() is not None
     yield request.param
@@ -126,37 +118,22 @@ def test_packed_weight_takes_the_kernel_where_it_can_run(threads):
         bf16_gemm.set_enabled(True)
 
 
-_THREADS_SCRIPT = textwrap.dedent(
-    """
-    import sys
-    import torch
-    from models import bf16_gemm
+_USE_KERNEL = """
+from models import bf16_gemm
 
-    threads = int(sys.argv[1])
-    torch.set_num_threads(threads)
-    assert bf16_gemm.prepare(threads)
-    w = torch.randn(96, 64).bfloat16()
-    packed = bf16_gemm.pack(w)
-    for rows in (1, 9, 70):
-        x = torch.randn(rows, 64).bfloat16()
-        torch.testing.assert_close(bf16_gemm.linear(x, packed).float(), x.float() @ w.float().T, rtol=2**-7, atol=1e-2)
-    import numba
-
-    pool_expected = threads > 1 and numba.config.NUMBA_NUM_THREADS > 1
-    pool_built = bf16_gemm._parallel_kernel.cache_info().currsize and bf16_gemm._parallel_kernel() is not None
-    print(torch.get_num_threads(), int(pool_built), int(pool_expected))
-    """
-)
+assert bf16_gemm.prepare(threads)
+w = torch.randn(96, 64).bfloat16()
+packed = bf16_gemm.pack(w)
+for rows in (1, 9, 70):
+    x = torch.randn(rows, 64).bfloat16()
+    torch.testing.assert_close(bf16_gemm.linear(x, packed).float(), x.float() @ w.float().T, rtol=2**-7, atol=1e-2)
+"""
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_kernel_keeps_the_rank_thread_count(threads: int) -> None:
-    # In a fresh process: numba's OpenMP pool shares torch's runtime, and once started it
-    # can set torch's thread count to the machine's core count. A one-thread rank must
-    # never start it; one with more threads uses it and keeps its count.
-    proc = subprocess.run(
-        [sys.executable, "-c", _THREADS_SCRIPT, str(threads)], capture_output=True, text=True, timeout=100, check=True
-    )
-    torch_threads, pool_built, pool_expected = map(int, proc.stdout.split())
+    # Built, and usable: not a failed build cached as None.
+    built = "bf16_gemm._parallel_kernel.cache_info().currsize and bf16_gemm._parallel_kernel() is not None"
+    torch_threads, pool_built, pool_expected = run_with_threads(_USE_KERNEL, built, threads)
     assert torch_threads == threads
     assert pool_built == pool_expected, "only a process with several threads (and cores) uses numba's pool"

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -17,6 +14,7 @@ from models.config import LlamaArgs
 from models.kv_cache import PagedKVCache
 from models.llama import Attention
 from models.step import prepare_step
+from tests.kernel_threads import run_with_threads
 
 pytestmark = [
     pytest.mark.timeout(120),  # the first call compiles the kernels when numba's cache is cold
@@ -89,36 +87,23 @@ def test_kernel_equals_sdpa_per_sequence(dtype: torch.dtype, groups: int, thread
     torch.testing.assert_close(got, want, **tol)
 
 
-_THREADS_SCRIPT = textwrap.dedent(
-    """
-    import sys
-    import torch
-    from models import decode_attention
+_USE_KERNEL = """
+from models import decode_attention
 
-    threads = int(sys.argv[1])
-    torch.set_num_threads(threads)
-    kv = torch.randn(2, 4, 2, 32, 16, dtype=torch.bfloat16)
-    for _ in range(3):
-        out = decode_attention.mirror_decode_attention(
-            torch.randn(4, 2, 2, 16), kv[0], kv[1], torch.arange(4), torch.tensor([32, 5, 1, 20]), 0.25
-        )
-        assert out is not None
-    import numba
-
-    pool_expected = threads > 1 and numba.config.NUMBA_NUM_THREADS > 1
-    print(torch.get_num_threads(), decode_attention._parallel_kernel.cache_info().currsize, int(pool_expected))
-    """
-)
+kv = torch.randn(2, 4, 2, 32, 16, dtype=torch.bfloat16)
+for _ in range(3):
+    out = decode_attention.mirror_decode_attention(
+        torch.randn(4, 2, 2, 16), kv[0], kv[1], torch.arange(4), torch.tensor([32, 5, 1, 20]), 0.25
+    )
+    assert out is not None
+"""
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_kernel_keeps_the_rank_thread_count(threads: int) -> None:
-    # In a fresh process: numba's OpenMP pool shares torch's runtime, and once started
-    # it set torch's thread count to the machine's core count (a one-thread rank ran two).
-    proc = subprocess.run(
-        [sys.executable, "-c", _THREADS_SCRIPT, str(threads)], capture_output=True, text=True, timeout=100, check=True
-    )
-    torch_threads, pool_built, pool_expected = map(int, proc.stdout.split())
+    # Built, and usable: not a failed build cached as None.
+    built = "decode_attention._parallel_kernel.cache_info().currsize and decode_attention._parallel_kernel(torch.bfloat16) is not None"
+    torch_threads, pool_built, pool_expected = run_with_threads(_USE_KERNEL, built, threads)
     assert torch_threads == threads
     assert pool_built == pool_expected, "only a rank with several threads (and cores) uses numba's pool"
 

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 
 from actors.context import ActorContext
 from models import prompt_attention
 from models.batch import ModelBatch, SequenceChunk
+from models.numba_kernels import pool_size
 from models.worker import LlamaWorker
+from tests.kernel_threads import run_with_threads
 from tests.model_checkpoints import TINY, block_tables, build_checkpoint, prefill_batch, reference_last_logits
 
 pytestmark = [
@@ -35,11 +33,9 @@ def inference():
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request):
     # One thread runs every chunk on the caller's thread; two split the chunks over numba's pool.
-    import numba
-
     before = torch.get_num_threads()
     torch.set_num_threads(request.param)
-    if request.param > 1 and numba.config.NUMBA_NUM_THREADS > 1:
+    if request.param > 1 and pool_size() > 1:
         assert prompt_attention._parallel_kernel() is not None  # built and checked, not fallen back
     yield request.param
     torch.set_num_threads(before)
@@ -161,35 +157,20 @@ def test_a_bf16_model_with_it_computes_what_it_computes_with_sdpa(tmp_path):
     assert (logits[True].argmax(-1) == logits[False].argmax(-1)).all()
 
 
-_THREADS_SCRIPT = textwrap.dedent(
-    """
-    import sys
-    import torch
-    from models import prompt_attention
+_USE_KERNEL = """
+from models import prompt_attention
 
-    threads = int(sys.argv[1])
-    torch.set_num_threads(threads)
-    torch.set_grad_enabled(False)
-    assert prompt_attention.prepare(threads)
-    q, k, v = torch.randn(40, 4, 32).bfloat16(), torch.randn(40, 2, 32).bfloat16(), torch.randn(40, 2, 32).bfloat16()
-    for _ in range(3):
-        assert prompt_attention.attend_prompts(q, k, v, torch.empty_like(q), [0, 9, 30], [9, 30, 40], 0.2)
-    import numba
-
-    pool_expected = threads > 1 and numba.config.NUMBA_NUM_THREADS > 1
-    pool_built = prompt_attention._parallel_kernel.cache_info().currsize and prompt_attention._parallel_kernel() is not None
-    print(torch.get_num_threads(), int(pool_built), int(pool_expected))
-    """
-)
+assert prompt_attention.prepare(threads)
+q, k, v = torch.randn(40, 4, 32).bfloat16(), torch.randn(40, 2, 32).bfloat16(), torch.randn(40, 2, 32).bfloat16()
+for _ in range(3):
+    assert prompt_attention.attend_prompts(q, k, v, torch.empty_like(q), [0, 9, 30], [9, 30, 40], 0.2)
+"""
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_kernel_keeps_the_rank_thread_count(threads: int) -> None:
-    # In a fresh process: numba's OpenMP pool shares torch's runtime. A one-thread rank
-    # must never start it; one with more threads uses it and keeps its count.
-    proc = subprocess.run(
-        [sys.executable, "-c", _THREADS_SCRIPT, str(threads)], capture_output=True, text=True, timeout=150, check=True
-    )
-    torch_threads, pool_built, pool_expected = map(int, proc.stdout.split())
+    # Built, and usable: not a failed build cached as None.
+    built = "prompt_attention._parallel_kernel.cache_info().currsize and prompt_attention._parallel_kernel() is not None"
+    torch_threads, pool_built, pool_expected = run_with_threads(_USE_KERNEL, built, threads)
     assert torch_threads == threads
     assert pool_built == pool_expected, "only a process with several threads (and cores) uses numba's pool"
