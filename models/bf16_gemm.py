@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
-from models.numba_kernels import load_checked, pool_size, run_on_pool, uses_pool
+from models.numba_kernels import load_checked, native_address, pool_size, run_split, uses_pool
 
 __all__ = ["PANEL", "cpu_supported", "enabled", "linear", "pack", "prepare", "set_enabled", "supports"]
 
@@ -120,7 +120,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     m = a.shape[0]
     out = torch.empty((m, n), dtype=torch.bfloat16)
     if m and pool is not None:
-        run_on_pool(pool, parts, a.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n)
+        run_split(pool, parts, panels, (a.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n))
     elif m:
         kernel(a.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n)
     return out.view(*lead, n)
@@ -159,8 +159,9 @@ def _kernel() -> Optional[_Kernel]:
 
 
 @functools.lru_cache(maxsize=1)
-def _parallel_kernel() -> Optional[_Kernel]:
-    """The thread-pool kernel, built on the first call from a process with several threads.
+def _parallel_kernel() -> Optional[int]:
+    """For the thread pool: the address of `gemm_panels`, built and checked on the first call
+    from a process with several threads (models/numba_kernels.py's `run_split` runs it).
 
     None where it cannot run (the one-thread kernel serves then). A one-thread rank never
     builds it, so it never starts numba's pool (which would reset torch's thread count).
@@ -169,8 +170,9 @@ def _parallel_kernel() -> Optional[_Kernel]:
         return None
     return load_checked(
         "models.bf16_gemm_kernels",
-        lambda kern: kern.gemm_parallel,
-        lambda kernel: _check(lambda *args: run_on_pool(kernel, 2, *args)),
+        # Seven addresses and sizes and the panel range, all int64 as Python ints are.
+        lambda kern: native_address(kern.gemm_panels, (0,) * 8),
+        lambda address: _check(lambda *args: run_split(address, 2, args[5] // PANEL, args)),
         "the parallel bf16 GEMM kernel",
         "bfloat16 linears run on one thread",
     )

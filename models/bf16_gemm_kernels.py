@@ -1,7 +1,7 @@
 """The numba kernel behind models/bf16_gemm.py (imported only where numba is installed).
 
 `gemm` computes C[M, N] = A[M, K] @ W[N, K].T in bfloat16 on the calling thread
-(`gemm_parallel`: its panels split into contiguous ranges over numba's pool), with W
+(`gemm_panels` a range of its panels: models/bf16_gemm.py splits them over numba's pool), with W
 packed by `models.bf16_gemm.pack` into panels of 32 output columns: [N / 32, K / 2,
 32, 2], so that one k-pair of a panel is 128 contiguous bytes, two zmm registers of
 bf16 pairs. The inner loop is AVX512-BF16's `vdpbf16ps` (a pair of
@@ -170,14 +170,6 @@ def gemm(a, b, c, m, k, n):  # noqa: ANN001 - typed by numba
     k must be even and n a multiple of 32 (the caller checks). See `gemm_panels`.
     """
     gemm_panels(a, b, c, m, k, n, 0, n // PANEL)
-
-
-@numba.njit(nogil=True, parallel=True, cache=True)
-def gemm_parallel(a, b, c, m, k, n, parts):  # noqa: ANN001 - typed by numba
-    """`gemm` with the panels split into `parts` contiguous ranges run by numba's thread pool."""
-    panels = n // PANEL
-    for p in numba.prange(parts):
-        gemm_panels(a, b, c, m, k, n, panels * p // parts, panels * (p + 1) // parts)
 
 
 @numba.njit(nogil=True, cache=True)

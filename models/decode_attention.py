@@ -33,11 +33,11 @@ and callers keep SDPA.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
-from models.numba_kernels import load_checked, pool_size, run_on_pool, uses_pool
+from models.numba_kernels import load_checked, native_address, pool_size, run_split, uses_pool
 
 __all__ = ["available", "mirror_decode_attention", "prepare", "supports"]
 
@@ -73,16 +73,22 @@ def _kernel(dtype: torch.dtype) -> Optional[_Kernel]:
 
 
 @functools.lru_cache(maxsize=None)
-def _parallel_kernel(dtype: torch.dtype) -> Optional[_Kernel]:
-    """The thread-pool kernel for keys of `dtype`, built on the first call from a rank with several threads.
+def _parallel_kernel(dtype: torch.dtype) -> Optional[int]:
+    """For the thread pool: the address of the kernel for keys of `dtype`, built and
+    checked on the first call from a rank with several threads (`run_split` runs it).
 
     None where it cannot run (the one-thread kernel serves then). A rank with one
     thread never builds it, so it never starts numba's pool.
     """
+    if _kernel(dtype) is None:
+        return None
+    like = torch.zeros(1, 1, 1, 8)
+    kv = torch.zeros(1, 1, 1, 8, dtype=dtype)
+    args, _ = _arguments(like, kv, kv, torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 0.3)
     return load_checked(
         "models.decode_attention_kernels",
-        lambda kern: kern.attend_parallel,
-        lambda kernel: _check(lambda *a: _run(kernel, 2, *a, 0.3), dtype),
+        lambda kern: native_address(kern.attend, args + (0, 0)),
+        lambda address: _check(lambda *a: _run(address, 2, *a, 0.3), dtype),
         f"parallel {dtype} decode attention kernel",
         "decode attention runs on one thread",
     )
@@ -114,8 +120,30 @@ def supports(like: torch.Tensor) -> bool:
     return like.device.type == "cpu" and available(like.dtype)
 
 
+def _arguments(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, scale: float
+) -> tuple[tuple[Any, ...], torch.Tensor]:
+    """The kernel's arguments but the task range, and the float32 output they write.
+
+    Their types depend only on the keys' dtype (the pool's kernel is called by address,
+    compiled for exactly these): k_buf and v_buf must be C-contiguous.
+    """
+    import numpy as np
+
+    out = torch.empty(q.shape, dtype=torch.float32)
+    as_np: Callable[[torch.Tensor], Any] = (
+        (lambda t: t.view(torch.int16).numpy()) if k_buf.dtype == torch.bfloat16 else (lambda t: t.numpy())
+    )
+    rows, counts = (t.to(torch.int64).contiguous() for t in (rows, counts))
+    args = (
+        q.float().contiguous().numpy(), as_np(k_buf), as_np(v_buf), rows.numpy(), counts.numpy(),
+        np.float32(scale), out.numpy(),
+    )
+    return args, out
+
+
 def _run(
-    kernel: _Kernel,
+    kernel: Union[_Kernel, int],
     parts: int,
     q: torch.Tensor,
     k_buf: torch.Tensor,
@@ -124,18 +152,13 @@ def _run(
     counts: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Runs `kernel` on every task: on this thread (parts == 1), else as `parts` ranges on numba's pool."""
-    import numpy as np
-
-    out = torch.empty(q.shape, dtype=torch.float32)
-    as_np: Callable[[torch.Tensor], Any] = (
-        (lambda t: t.view(torch.int16).numpy()) if k_buf.dtype == torch.bfloat16 else (lambda t: t.numpy())
-    )
-    args = (q.float().contiguous().numpy(), as_np(k_buf), as_np(v_buf), rows.numpy(), counts.numpy(), np.float32(scale), out.numpy())
+    """Runs every task: `kernel` on this thread (parts == 1), else the address `kernel` as `parts` ranges on numba's pool."""
+    args, out = _arguments(q, k_buf, v_buf, rows, counts, scale)
+    tasks = q.shape[0] * q.shape[1]
     if parts == 1:
-        kernel(*args, 0, q.shape[0] * q.shape[1])
+        kernel(*args, 0, tasks)
     else:
-        run_on_pool(kernel, parts, *args)
+        run_split(kernel, parts, tasks, args)
     return out
 
 

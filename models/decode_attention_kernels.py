@@ -4,10 +4,11 @@ Module-level functions so that numba can cache their machine code between runs
 (`cache=True`: next to this file, or in numba's user cache where that is read-only).
 
 `attend` runs the tasks [lo, hi) (task = sequence * kv_heads + kv head) on the
-calling thread, with no thread pool at all; `attend_parallel` splits all tasks into
-`parts` contiguous ranges over numba's pool. A rank with one thread uses the first:
-starting numba's OpenMP pool in it would share (and resize) torch's own OpenMP runtime.
-Both compile once per dtype of the keys and values (float32, or bfloat16 as int16 bits).
+calling thread, with no thread pool at all; a rank with several threads splits all
+tasks into contiguous ranges over numba's pool (models/pool_kernels.py). A rank with one
+thread never does: starting numba's OpenMP pool in it would share (and resize) torch's
+own OpenMP runtime. It compiles once per dtype of the keys and values (float32, or
+bfloat16 as int16 bits).
 """
 
 from __future__ import annotations
@@ -205,11 +206,3 @@ def attend(q, kbuf, vbuf, rows, counts, scale, out, lo, hi):  # noqa: ANN001 - t
                     for d in range(dim):
                         acc[g, d] += p * widen(row[d])
         out[i, h] = acc
-
-
-@numba.njit(fastmath=FASTMATH, nogil=True, parallel=True, cache=True)
-def attend_parallel(q, kbuf, vbuf, rows, counts, scale, out, parts):  # noqa: ANN001 - typed by numba
-    """Every task, in `parts` contiguous ranges run by numba's thread pool."""
-    tasks = q.shape[0] * q.shape[1]
-    for p in numba.prange(parts):
-        attend(q, kbuf, vbuf, rows, counts, scale, out, tasks * p // parts, tasks * (p + 1) // parts)

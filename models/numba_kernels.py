@@ -15,7 +15,7 @@ import logging
 from types import ModuleType
 from typing import Any, Callable, Optional, TypeVar
 
-__all__ = ["load_checked", "pool_size", "run_on_pool", "uses_pool"]
+__all__ = ["load_checked", "native_address", "pool_size", "run_on_pool", "run_split", "uses_pool"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +34,8 @@ def load_checked(
     except ImportError as exc:
         logger.info("numba unavailable (%s): %s", exc, instead)
         return None
-    kernels = select(kern)
     try:
+        kernels = select(kern)  # may compile (`native_address`)
         check(kernels)
     except Exception as exc:  # noqa: BLE001 - any failure to build or to agree means "use torch"
         logger.warning("%s unavailable (%s): %s", what, exc, instead)
@@ -62,6 +62,31 @@ def uses_pool(threads: Optional[int] = None) -> bool:
 
     threads = torch.get_num_threads() if threads is None else threads
     return min(threads, pool_size()) > 1
+
+
+def native_address(kernel: Any, args: tuple[Any, ...]) -> int:
+    """The address of numba dispatcher `kernel`'s machine code for arguments typed as `args`.
+
+    Compiled now, or loaded from numba's cache, if it was not yet. What `run_split`
+    calls: the caller must then pass arguments of exactly these types.
+    """
+    import numba
+
+    sig = tuple(numba.typeof(a) for a in args)
+    kernel.compile(sig)
+    compiled = kernel.overloads[sig]
+    return int(compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name))
+
+
+def run_split(address: int, parts: int, total: int, args: tuple[Any, ...]) -> None:
+    """kernel(*args, lo, hi) for `parts` contiguous ranges [lo, hi) of [0, total), on numba's pool.
+
+    `address` is `native_address(kernel, args + (lo, hi))` for arguments of these very
+    types (models/pool_kernels.py says why it is called by address).
+    """
+    from models.pool_kernels import split_call
+
+    run_on_pool(split_call, parts, address, total, args)
 
 
 def run_on_pool(kernel: Callable[..., Any], parts: int, *args: Any) -> Any:

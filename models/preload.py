@@ -24,6 +24,7 @@ def _warm_numba() -> None:
         import models.decode_attention_kernels  # noqa: F401
         import models.kv_write_kernels  # noqa: F401
         import models.norm_rope_kernels  # noqa: F401
+        import models.pool_kernels  # noqa: F401
         import models.prompt_attention_kernels  # noqa: F401  (as the GEMM kernel's module: compiles nothing on import)
         from numba.core.registry import cpu_target
 

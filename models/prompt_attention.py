@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from models import bf16_gemm
-from models.numba_kernels import load_checked, pool_size, run_on_pool, uses_pool
+from models.numba_kernels import load_checked, native_address, pool_size, run_split, uses_pool
 
 __all__ = ["attend_prompts", "enabled", "fits", "prepare", "set_enabled", "supports"]
 
@@ -90,19 +90,28 @@ def _as_bits(t: torch.Tensor) -> Any:
     return t.view(torch.int16).numpy()
 
 
-def _call(kernel: _Kernel, parts: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-          starts: torch.Tensor, stops: torch.Tensor, key_starts: torch.Tensor, key_counts: torch.Tensor,
-          scale: float) -> None:
+def _arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, starts: torch.Tensor,
+               stops: torch.Tensor, key_starts: torch.Tensor, key_counts: torch.Tensor, scale: float) -> tuple[Any, ...]:
+    """The kernel's arguments but the chunk range. Their types are always the same (the
+    pool's kernel is called by address, compiled for exactly these): q, k, v and out must
+    be C-contiguous bfloat16, the four indexes contiguous int64."""
     import numpy as np
 
-    args = (
+    return (
         _as_bits(q), _as_bits(k), _as_bits(v), _as_bits(out),
         starts.numpy(), stops.numpy(), key_starts.numpy(), key_counts.numpy(), np.float32(scale),
     )
+
+
+def _call(kernel: Union[_Kernel, int], parts: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          out: torch.Tensor, starts: torch.Tensor, stops: torch.Tensor, key_starts: torch.Tensor,
+          key_counts: torch.Tensor, scale: float) -> None:
+    """Every chunk: `kernel` on this thread (parts == 1), else the address `kernel` as `parts` ranges on numba's pool."""
+    args = _arguments(q, k, v, out, starts, stops, key_starts, key_counts, scale)
     if parts == 1:
         kernel(*args, 0, starts.shape[0])
     else:
-        run_on_pool(kernel, parts, *args)
+        run_split(kernel, parts, starts.shape[0], args)
 
 
 @functools.lru_cache(maxsize=1)
@@ -121,14 +130,18 @@ def _kernel() -> Optional[_Kernel]:
 
 
 @functools.lru_cache(maxsize=1)
-def _parallel_kernel() -> Optional[_Kernel]:
-    """The thread-pool kernel, built on the first call from a rank with several threads (None: one thread serves)."""
+def _parallel_kernel() -> Optional[int]:
+    """For the thread pool: the kernel's address, built and checked on the first call from
+    a rank with several threads (`run_split` runs it; None: one thread serves)."""
     if _kernel() is None:
         return None
+    one = torch.zeros(1, 1, 32, dtype=torch.bfloat16)
+    index = torch.zeros(1, dtype=torch.int64)
+    args = _arguments(one, one, one, one, index, index, index, index, 0.3)
     return load_checked(
         "models.prompt_attention_kernels",
-        lambda kern: kern.attend_chunks_parallel,
-        lambda kernel: _check(lambda *a: _call(kernel, 2, *a)),
+        lambda kern: native_address(kern.attend_chunks, args + (0, 0)),
+        lambda address: _check(lambda *a: _call(address, 2, *a)),
         "the parallel prompt attention kernel",
         "prompt attention runs on one thread",
     )

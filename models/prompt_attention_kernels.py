@@ -109,12 +109,3 @@ def attend_chunks(q, k, v, out, starts, stops, key_starts, key_counts, scale, lo
                                 r, p_addr + blk * cap * 2, b_j, o_addr + (first + blk) * q_row + j * PANEL * 2,
                                 pairs, cap * 2, q_row, b_j, 64, 0,
                             )
-
-
-@numba.njit(fastmath=FASTMATH, nogil=True, parallel=True, cache=True)
-def attend_chunks_parallel(q, k, v, out, starts, stops, key_starts, key_counts, scale, parts):  # noqa: ANN001 - typed by numba
-    """Every chunk, in `parts` contiguous ranges run by numba's thread pool."""
-    chunks = starts.shape[0]
-    for part in numba.prange(parts):
-        lo, hi = chunks * part // parts, chunks * (part + 1) // parts
-        attend_chunks(q, k, v, out, starts, stops, key_starts, key_counts, scale, lo, hi)
