@@ -48,7 +48,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from models import argmax, bf16_gemm, decode_attention, kv_write, norm_rope, prompt_attention
+from models import bf16_gemm, norm_rope, prompt_attention
 from models.batch import ModelBatch, ModelOutput
 from models.config import (
     BoundaryMove,
@@ -60,6 +60,7 @@ from models.config import (
     resolve_dtype,
 )
 from models.host_memory import keep_freed_memory as _keep_freed_memory
+from models.kernel_warmup import KernelSet
 from models.kv_cache import PagedKVCache
 from models.llama import LlamaStage
 from models.loader import load_stage
@@ -340,6 +341,20 @@ class LlamaWorker:
             self._back_in = self._back_out = None
             self.layout = replace(layout, move_boundary_back=False)
 
+    def kernel_set(self) -> KernelSet:
+        """The numba kernels this rank builds on CPU, as its options and dtype decide them (see models/kernel_warmup.py)."""
+        return KernelSet(
+            self.dtype,
+            self.num_threads,
+            self.args.head_dim,
+            bf16_gemm=self.bf16_gemm_kernel and self.prepack_weights,
+            decode_attention=self.decode_kernel and self.kv_mirror_bytes > 0,
+            prompt_attention=self.prompt_attention_kernel,
+            norm_rope=self.norm_rope_kernels,
+            kv_write=self.kv_write_kernel,
+            argmax=self.layout.is_last_stage,
+        )
+
     def load_model(self) -> dict[str, Any]:
         """Builds this rank's stage, loads its weight shards and allocates its KV cache.
 
@@ -351,48 +366,25 @@ class LlamaWorker:
             raise RuntimeError(f"{self.where}: call init_distributed() before load_model()")
         num_blocks = self._num_blocks()  # before reading weights: a budget too small fails fast
         stage, report = load_stage(layout, self.model_path, self.dtype, self.device, self.tp_group)
-        # Our bf16 GEMM kernel (process-wide, as the packing reads it) for a CPU rank.
-        self.bf16_gemm_kernel = (
-            self.bf16_gemm_kernel
-            and self.prepack_weights
-            and self.device.type == "cpu"
-            and self.dtype == torch.bfloat16
-            and bf16_gemm.prepare(self.num_threads)
-        )
+        # The numba kernels (built here, as part of startup, not in the first step): each
+        # option stays on only where its kernel can run. All process-wide, a rank being one process.
+        built = self.kernel_set().build() if self.device.type == "cpu" else {}
+        self.bf16_gemm_kernel = built.get("bf16_gemm", False)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            bf16_gemm.set_enabled(self.bf16_gemm_kernel)
+            bf16_gemm.set_enabled(self.bf16_gemm_kernel)  # the packing below reads it
         if self.prepack_weights:
             self.num_packed = prepack_stage(stage)  # 0 where unsupported (GPU, float16, no oneDNN)
         self.stage = stage
         self.num_params = report.num_params
-        # Whether decode steps will use the kernel; built here, as part of startup, not in the first step.
-        self.decode_kernel = (
-            self.decode_kernel
-            and self.device.type == "cpu"
-            and self.kv_mirror_bytes > 0
-            and self.dtype in (torch.float32, torch.bfloat16)
-            and decode_attention.prepare(self.num_threads, self.dtype)
-        )
-        if layout.is_last_stage and self.device.type == "cpu":
-            argmax.prepare()  # the greedy argmax kernel, also numba: built now, not in the first step
-        # The RMSNorm and rotary kernels (numba too), for the dtypes they serve.
+        self.decode_kernel = built.get("decode_attention", False)
+        # GPU tensors never take the norm, rotary and prompt kernels; other models in this process keep theirs.
+        self.norm_rope_kernels = built.get("norm_rope", False)
         if self.device.type == "cpu":
-            self.norm_rope_kernels = (
-                self.norm_rope_kernels and self.dtype in (torch.float32, torch.bfloat16) and norm_rope.prepare()
-            )
-            norm_rope.set_enabled(self.norm_rope_kernels)  # process-wide (see the option)
-        else:
-            self.norm_rope_kernels = False  # GPU tensors never take them; other models in this process keep theirs
-        self.kv_write_kernel = self.kv_write_kernel and self.device.type == "cpu" and kv_write.prepare()
+            norm_rope.set_enabled(self.norm_rope_kernels)
+        self.kv_write_kernel = built.get("kv_write", False)
+        self.prompt_attention_kernel = built.get("prompt_attention", False)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            self.prompt_attention_kernel = (
-                self.prompt_attention_kernel
-                and prompt_attention.fits(self.args.head_dim)
-                and prompt_attention.prepare(self.num_threads)
-            )
-            prompt_attention.set_enabled(self.prompt_attention_kernel)  # process-wide (see the option)
-        else:
-            self.prompt_attention_kernel = False  # float32 and GPU keep SDPA; other models in this process keep theirs
+            prompt_attention.set_enabled(self.prompt_attention_kernel)  # float32 keeps SDPA
         self.cache = PagedKVCache(
             layout.cache_layers,
             num_blocks,

@@ -13,7 +13,9 @@ from typing import Any, Optional, Sequence, Union
 from typing_extensions import Self
 
 from actors import ConfigError, FaultPlan, RayOptions, Supervisor, SupervisionPolicy, prestart
-from models.config import load_config
+from actors.gang import start_context
+from models.config import ModelConfigError, load_config, resolve_dtype
+from models.kernel_warmup import KernelSet, WarmUp, warm_up
 from scheduling.engine import Engine
 from scheduling.request import Request, RequestOutput
 from scheduling.sampling_params import SamplingParams, is_int
@@ -143,6 +145,9 @@ class LLM:
         max_model_len: most tokens (prompt plus output) per request; default the
             smaller of the model's max_position_embeddings and what the cache holds.
         num_threads: torch threads per rank (default: its pinned CPUs, else ncpu / world_size).
+        compile_workers: processes that compile the ranks' numba kernels into numba's
+            cache while the gang starts, on a machine's first start (models/kernel_warmup.py);
+            default one per CPU, 0: each rank compiles its own. Not with backend="ray" or CUDA.
         start_timeout: seconds for the gang to start and load the model.
         step_timeout: deadline of each execute_model call (None: 300 s).
         cpus_per_rank: pin each rank to this many CPUs of its own (see `cpu_plan`);
@@ -184,6 +189,7 @@ class LLM:
         max_num_batched_tokens: Optional[int] = None,
         max_model_len: Optional[int] = None,
         num_threads: Optional[int] = None,
+        compile_workers: Optional[int] = None,
         start_timeout: float = 120.0,
         step_timeout: Optional[float] = None,
         cpus_per_rank: Optional[int] = None,
@@ -257,6 +263,19 @@ class LLM:
             worker_kwargs["num_threads"] = int(num_threads)
         if layer_split is not None:
             worker_kwargs["layer_split"] = tuple(layer_split)
+        warmup: Optional[WarmUp] = None
+        if backend == "mp" and compile_workers != 0:
+            kernels = self._kernel_set(
+                dtype,
+                num_threads or max(1, len(os.sched_getaffinity(0)) // world_size),
+                bf16_gemm=bf16_gemm_kernel and prepack_weights,
+                decode_attention=decode_kernel and (kv_mirror_bytes is None or kv_mirror_bytes > 0),
+                prompt_attention=prompt_attention_kernel,
+                norm_rope=norm_rope_kernels,
+                kv_write=kv_write_kernel,
+            )
+            if kernels is not None:
+                warmup = warm_up(kernels, start_context("forkserver", PRELOAD), compile_workers)
         try:
             self.supervisor = Supervisor(
                 worker=WORKER,
@@ -274,9 +293,13 @@ class LLM:
             )
         except BaseException:
             tokenizer.cancel()
+            if warmup is not None:
+                warmup.close()
             raise
         try:
             self._setup_call("init_distributed", start_timeout)
+            if warmup is not None:
+                warmup.wait(start_timeout)  # what is not built by then, the ranks build
             infos = self._setup_call("load_model", start_timeout)
             self.num_blocks = min(int(info["num_blocks"]) for info in infos)
             self.block_size = int(infos[0]["block_size"])
@@ -306,6 +329,8 @@ class LLM:
             self.engine = Engine(self.supervisor, self.scheduler, step_timeout=step_timeout)
             self.tokenizer = tokenizer.result()
         except BaseException:
+            if warmup is not None:
+                warmup.close()
             self.supervisor.close()
             raise
         logger.info(
@@ -317,6 +342,19 @@ class LLM:
             self.block_size,
             max_model_len,
         )
+
+    def _kernel_set(self, dtype: str, threads: int, **builds: bool) -> Optional[KernelSet]:
+        """What every CPU rank will build (the last stage's argmax included); None where the ranks run on CUDA
+        or the dtype is one the ranks will refuse (they say so, naming themselves)."""
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+        try:
+            resolved = resolve_dtype(dtype, self.args, "cpu")
+        except ModelConfigError:
+            return None
+        return KernelSet(resolved, threads, self.args.head_dim, argmax=True, **builds)
 
     def _setup_call(self, method: str, timeout: float) -> list[Any]:
         """Runs a setup method on every rank; setup=True: a restarted gang replays it before new batches.

@@ -61,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-decode-kernel", action="store_true", help="SDPA for decode attention (models/decode_attention.py off)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument(
+        "--compile-workers",
+        type=int,
+        default=None,
+        help="processes compiling the ranks' numba kernels on a first start (default one per CPU; 0: each rank its own)",
+    )
+    parser.add_argument(
         "--max-num-batched-tokens",
         type=int,
         default=None,
@@ -128,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
         backend=args.backend,
         ray_options=ray_options,
         layer_split=args.layer_split,
+        compile_workers=args.compile_workers,
     ) as llm:
         startup_s = time.perf_counter() - t0
         if args.dataset == "sharegpt":
