@@ -205,6 +205,8 @@ class LLM:
             # Checked before anything starts: the CPU plan below divides by tp * pp.
             if not is_int(value) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if compile_workers is not None and (not is_int(compile_workers) or compile_workers < 0):
+            raise ConfigError(f"compile_workers must be an integer >= 0, got {compile_workers!r}")
         tp, pp = int(tp), int(pp)
         if backend == "mp":
             # The fork server imports the worker's modules (torch: about 2.5 s of CPU) once

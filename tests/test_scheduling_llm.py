@@ -265,6 +265,13 @@ def test_a_parallel_size_below_one_or_not_an_integer_is_a_config_error(sizes):
     assert not child_pids()
 
 
+@pytest.mark.parametrize("workers", [-1, 1.5, "2"])
+def test_compile_workers_below_zero_or_not_an_integer_is_a_config_error(workers):
+    with pytest.raises(ConfigError, match=rf"compile_workers must be an integer >= 0, got {workers!r}"):
+        LLM(compile_workers=workers)
+    assert not child_pids()
+
+
 def test_default_model_with_text_prompts():
     """model=None builds/loads the built-in checkpoint with its tokenizer; text round-trips through it."""
     with LLM(kv_cache_bytes=16 * 2**20, start_timeout=120.0) as llm:

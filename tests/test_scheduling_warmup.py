@@ -1,0 +1,67 @@
+"""LLM's first start: helper processes compile the ranks' numba kernels, and the ranks then compile nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("numba")
+
+_KERNELS = (
+    ("models.decode_attention_kernels", "attend"),
+    ("models.kv_write_kernels", "write_kv"),
+    ("models.norm_rope_kernels", "rms_norm"),
+    ("models.norm_rope_kernels", "rotary"),
+    ("models.argmax_kernels", "argmax_float32"),
+)
+
+
+def rank_compiles(worker) -> int:  # noqa: ANN001 - run on each rank by collective_rpc
+    """How many kernel builds this rank's process compiled instead of loading them from numba's cache."""
+    import importlib
+
+    return sum(
+        sum(getattr(importlib.import_module(module), name).stats.cache_misses.values()) for module, name in _KERNELS
+    )
+
+
+_SCRIPT = """
+import json, sys
+from scheduling import LLM, SamplingParams
+from tests.model_checkpoints import build_checkpoint
+from tests.test_scheduling_warmup import rank_compiles
+
+path = build_checkpoint(sys.argv[1], seed=1)
+prompts = [[1, 2, 3, 4], [5, 6, 7]]
+out = {}
+for workers in (int(sys.argv[2]), int(sys.argv[2])):  # the second start finds the stamp
+    with LLM(path, pp=2, dtype="float32", kv_cache_bytes=8 * 2**20, compile_workers=workers) as llm:
+        tokens = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))]
+        out.setdefault("compiled", []).append(llm.supervisor.collective_rpc(rank_compiles))
+        out.setdefault("tokens", []).append(tokens)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("workers", [2, 0])
+def test_after_the_warm_up_the_ranks_compile_nothing(script_env, tmp_path, workers: int) -> None:
+    env = dict(script_env, NUMBA_CACHE_DIR=str(tmp_path / "numba"), PIPEACTORS_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_SCRIPT), str(tmp_path / "tiny"), str(workers)],
+        env=env, capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    first, second = out["compiled"]
+    if workers:
+        assert first == [0, 0], "a rank compiled a kernel the helpers should have built"
+        assert list((tmp_path / "cache" / "kernels").glob("*.done"))
+    else:
+        assert all(n > 0 for n in first), "with no helpers each rank compiles its own"
+    assert second == [0, 0]  # everything cached by then
+    assert out["tokens"][0] == out["tokens"][1]
