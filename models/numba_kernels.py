@@ -67,8 +67,11 @@ def uses_pool(threads: Optional[int] = None) -> bool:
 def native_address(kernel: Any, args: tuple[Any, ...]) -> int:
     """The address of numba dispatcher `kernel`'s machine code for arguments typed as `args`.
 
-    Compiled now, or loaded from numba's cache, if it was not yet. What `run_split`
-    calls: the caller must then pass arguments of exactly these types.
+    Compiled now, or loaded from numba's cache, if it was not yet; valid while the
+    process lives (the dispatcher keeps it). What `run_split` calls: the caller must then
+    pass arguments of exactly these types. It reads numba's compile result (`library`,
+    `fndesc`), which numba does not document: where a release changes them this raises,
+    and `load_checked` falls back to one thread.
     """
     import numba
 

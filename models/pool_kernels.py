@@ -28,7 +28,9 @@ def call_native(typingctx, address, args, lo, hi):  # noqa: ANN001, ANN202 - a n
 
     The function must have been compiled for exactly these argument types, with lo and
     hi as int64 (`models.numba_kernels.native_address` gives such an address). An
-    exception it raises propagates.
+    exception it raises goes to call_native's caller, but `split_call`'s parallel loop
+    does not pass it on: a kernel run through it must not raise (ours do not; their
+    callers check shapes and dtypes first).
     """
     if not (isinstance(address, types.Integer) and isinstance(args, types.BaseTuple)):
         return None

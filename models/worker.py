@@ -366,25 +366,25 @@ class LlamaWorker:
             raise RuntimeError(f"{self.where}: call init_distributed() before load_model()")
         num_blocks = self._num_blocks()  # before reading weights: a budget too small fails fast
         stage, report = load_stage(layout, self.model_path, self.dtype, self.device, self.tp_group)
-        # The numba kernels (built here, as part of startup, not in the first step): each
-        # option stays on only where its kernel can run. All process-wide, a rank being one process.
+        # The numba kernels, built now as part of startup rather than in the first step
+        # (none on GPU): each option stays on only where its kernel can run. The switches
+        # below are process-wide (a rank is one process); they are set only where this
+        # rank's tensors can take the kernel, so other models in the process keep theirs.
         built = self.kernel_set().build() if self.device.type == "cpu" else {}
         self.bf16_gemm_kernel = built.get("bf16_gemm", False)
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            bf16_gemm.set_enabled(self.bf16_gemm_kernel)  # the packing below reads it
+        self.decode_kernel = built.get("decode_attention", False)
+        self.norm_rope_kernels = built.get("norm_rope", False)
+        self.kv_write_kernel = built.get("kv_write", False)
+        self.prompt_attention_kernel = built.get("prompt_attention", False)
+        if self.device.type == "cpu":
+            norm_rope.set_enabled(self.norm_rope_kernels)
+            if self.dtype == torch.bfloat16:
+                bf16_gemm.set_enabled(self.bf16_gemm_kernel)  # the packing below reads it
+                prompt_attention.set_enabled(self.prompt_attention_kernel)  # float32 keeps SDPA
         if self.prepack_weights:
             self.num_packed = prepack_stage(stage)  # 0 where unsupported (GPU, float16, no oneDNN)
         self.stage = stage
         self.num_params = report.num_params
-        self.decode_kernel = built.get("decode_attention", False)
-        # GPU tensors never take the norm, rotary and prompt kernels; other models in this process keep theirs.
-        self.norm_rope_kernels = built.get("norm_rope", False)
-        if self.device.type == "cpu":
-            norm_rope.set_enabled(self.norm_rope_kernels)
-        self.kv_write_kernel = built.get("kv_write", False)
-        self.prompt_attention_kernel = built.get("prompt_attention", False)
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            prompt_attention.set_enabled(self.prompt_attention_kernel)  # float32 keeps SDPA
         self.cache = PagedKVCache(
             layout.cache_layers,
             num_blocks,
