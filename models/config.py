@@ -179,20 +179,26 @@ def cpu_has_native_bf16(cpuinfo: Optional[str] = None) -> bool:
     Without it oneDNN emulates bf16 matmuls, several times slower than float32. Judged
     from /proc/cpuinfo; where that cannot be read the answer is True (keep the checkpoint's dtype).
     """
+    flags = cpu_flags(cpuinfo)
+    if not flags:
+        return True
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_flags(cpuinfo: Optional[str] = None) -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (x86 "flags", Arm "Features"); empty where it cannot be read."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo") as f:
                 cpuinfo = f.read()
         except OSError:
-            return True
+            return set()
     flags: set[str] = set()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
             flags.update(value.split())
-    if not flags:
-        return True
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return flags
 
 
 def resolve_dtype(name: Union[str, torch.dtype], args: LlamaArgs, device_type: str = "cpu") -> torch.dtype:

@@ -3,7 +3,7 @@
 A rank builds its kernels in `LlamaWorker.load_model`: compiled on a machine's first
 start, loaded from numba's cache (next to the modules) afterwards. Compiling is one
 thread's work, holding numba's compiler lock, so a rank with the whole machine spent
-13-15 s of a first start on it with the other cores idle. Ranks of a gang compiled the
+13-14 s of a first start on it with the other cores idle. Ranks of a gang compiled the
 same kernels side by side, each its own copy of the work.
 
 `KernelSet` names what a rank builds; the worker builds it through `KernelSet.build`.
@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+
+from models.config import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -90,13 +92,13 @@ class KernelSet:
     def shares(self, parts: int) -> list[list[str]]:
         """The builds in `parts` lists of about equal compile time (longest first, each to the least loaded)."""
         names = sorted(self.builds(), key=self._cost, reverse=True)
-        heap = [(0.0, i) for i in range(max(1, min(parts, len(names))))]
+        heap = [(0.0, i) for i in range(min(parts, len(names)))]
         out: list[list[str]] = [[] for _ in heap]
         for name in names:
             load, i = heapq.heappop(heap)
             out[i].append(name)
             heapq.heappush(heap, (load + self._cost(name), i))
-        return [share for share in out if share]
+        return out
 
     def _cost(self, name: str) -> float:
         return _COST.get(name, 1.0) + (_POOL_COST.get(name, 0.0) if self.threads > 1 else 0.0)
@@ -107,8 +109,7 @@ class KernelSet:
         import models
 
         package = Path(models.__file__).resolve().parent
-        sources = sorted(p for p in package.glob("*.py"))
-        files = [(p.name, s.st_size, s.st_mtime_ns) for p in sources for s in [p.stat()]]
+        files = [(p.name, s.st_size, s.st_mtime_ns) for p in sorted(package.glob("*.py")) for s in [p.stat()]]
         try:
             from importlib.metadata import version
 
@@ -116,19 +117,9 @@ class KernelSet:
         except Exception:  # noqa: BLE001 - no numba: the kernels cannot build anyway
             numba_version = "none"
         fields = {k: str(v) for k, v in asdict(self).items()}
-        key = repr((fields, str(package), files, numba_version, sys.version, platform.machine(), _cpu_flags()))
+        cpu = (platform.machine(), sorted(cpu_flags()))
+        key = repr((fields, str(package), files, numba_version, sys.version, cpu))
         return hashlib.sha256(key.encode()).hexdigest()[:24]
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _stamp_path(kernels: KernelSet) -> Path:
@@ -151,8 +142,9 @@ def _helper(kernels: KernelSet, names: list[str], lifeline: Connection) -> None:
 class WarmUp:
     """Helper processes building a `KernelSet` into numba's cache; `wait()` for them, `close()` to stop them."""
 
-    def __init__(self, kernels: KernelSet, context: Any, parts: int) -> None:
+    def __init__(self, kernels: KernelSet, context: Any, parts: int, stamp: Path) -> None:
         self.kernels = kernels
+        self.stamp = stamp  # written once every helper has built its share
         self.shares = kernels.shares(parts)
         self._start = time.perf_counter()
         self._procs: list[Any] = []
@@ -173,7 +165,7 @@ class WarmUp:
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self._procs if p.pid is not None]
+        return [p.pid for p in self._procs]
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Waits for every helper (at most `timeout` s); True when all built their share.
@@ -191,9 +183,8 @@ class WarmUp:
         else:
             logger.info("built %s in %.1fs over %d processes", self.shares, time.perf_counter() - self._start, len(self._procs))
             try:
-                path = _stamp_path(self.kernels)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.touch()
+                self.stamp.parent.mkdir(parents=True, exist_ok=True)
+                self.stamp.touch()
             except OSError as exc:
                 logger.info("no kernel warm-up stamp written (%s): the next start warms up again", exc)
         self.close()
@@ -220,8 +211,9 @@ def warm_up(kernels: KernelSet, context: Any, parts: Optional[int] = None) -> Op
     if parts < 1 or not kernels.builds():
         return None
     try:
-        if _stamp_path(kernels).exists():
+        stamp = _stamp_path(kernels)
+        if stamp.exists():
             return None
     except OSError:
         return None
-    return WarmUp(kernels, context, parts)
+    return WarmUp(kernels, context, parts, stamp)

@@ -27,11 +27,16 @@ print(torch.get_num_threads(), int(bool({pool_built})), int(pool_expected))
 """
 
 
-def run_with_threads(body: str, pool_built: str, threads: int, timeout: float = 150.0) -> tuple[int, bool, bool]:
-    """Runs `body` with `threads` torch threads; (torch's thread count after it, the `pool_built` expression, whether the pool should be used)."""
-    script = _SCRIPT.format(body=textwrap.dedent(body), pool_built=pool_built)
+def assert_pool_only_with_threads(body: str, parallel_kernel: str, call: str, threads: int) -> None:
+    """Runs `body` with `threads` torch threads, then asserts that it kept that count and
+    that `parallel_kernel` (the name of a module's lru-cached loader, called with `call`)
+    was built and usable exactly when the process may use numba's pool: not a failed build
+    cached as None, and never in a one-thread process."""
+    built = f"{parallel_kernel}.cache_info().currsize and {parallel_kernel}{call} is not None"
+    script = _SCRIPT.format(body=textwrap.dedent(body), pool_built=built)
     proc = subprocess.run(
-        [sys.executable, "-c", script, str(threads)], capture_output=True, text=True, timeout=timeout, check=True
+        [sys.executable, "-c", script, str(threads)], capture_output=True, text=True, timeout=150.0, check=True
     )
-    torch_threads, built, expected = map(int, proc.stdout.split())
-    return torch_threads, bool(built), bool(expected)
+    torch_threads, pool_built, pool_expected = map(int, proc.stdout.split())
+    assert torch_threads == threads
+    assert pool_built == pool_expected, "only a process with several threads (and cores) uses numba's pool"

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from models import bf16_gemm
 from models.numba_kernels import pool_size
 from models.prepack import PackedWeight, prepack_supported
-from tests.kernel_threads import run_with_threads
+from tests.kernel_threads import assert_pool_only_with_threads
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -132,8 +132,4 @@ for rows in (1, 9, 70):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_kernel_keeps_the_rank_thread_count(threads: int) -> None:
-    # Built, and usable: not a failed build cached as None.
-    built = "bf16_gemm._parallel_kernel.cache_info().currsize and bf16_gemm._parallel_kernel() is not None"
-    torch_threads, pool_built, pool_expected = run_with_threads(_USE_KERNEL, built, threads)
-    assert torch_threads == threads
-    assert pool_built == pool_expected, "only a process with several threads (and cores) uses numba's pool"
+    assert_pool_only_with_threads(_USE_KERNEL, "bf16_gemm._parallel_kernel", "()", threads)

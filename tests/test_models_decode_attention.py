@@ -14,7 +14,7 @@ from models.config import LlamaArgs
 from models.kv_cache import PagedKVCache
 from models.llama import Attention
 from models.step import prepare_step
-from tests.kernel_threads import run_with_threads
+from tests.kernel_threads import assert_pool_only_with_threads
 
 pytestmark = [
     pytest.mark.timeout(120),  # the first call compiles the kernels when numba's cache is cold
@@ -101,11 +101,7 @@ for _ in range(3):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_kernel_keeps_the_rank_thread_count(threads: int) -> None:
-    # Built, and usable: not a failed build cached as None.
-    built = "decode_attention._parallel_kernel.cache_info().currsize and decode_attention._parallel_kernel(torch.bfloat16) is not None"
-    torch_threads, pool_built, pool_expected = run_with_threads(_USE_KERNEL, built, threads)
-    assert torch_threads == threads
-    assert pool_built == pool_expected, "only a rank with several threads (and cores) uses numba's pool"
+    assert_pool_only_with_threads(_USE_KERNEL, "decode_attention._parallel_kernel", "(torch.bfloat16)", threads)
 
 
 def test_keys_past_a_sequence_count_are_never_read() -> None:

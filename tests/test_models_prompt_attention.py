@@ -10,7 +10,7 @@ from models import prompt_attention
 from models.batch import ModelBatch, SequenceChunk
 from models.numba_kernels import pool_size
 from models.worker import LlamaWorker
-from tests.kernel_threads import run_with_threads
+from tests.kernel_threads import assert_pool_only_with_threads
 from tests.model_checkpoints import TINY, block_tables, build_checkpoint, prefill_batch, reference_last_logits
 
 pytestmark = [
@@ -169,8 +169,4 @@ for _ in range(3):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_kernel_keeps_the_rank_thread_count(threads: int) -> None:
-    # Built, and usable: not a failed build cached as None.
-    built = "prompt_attention._parallel_kernel.cache_info().currsize and prompt_attention._parallel_kernel() is not None"
-    torch_threads, pool_built, pool_expected = run_with_threads(_USE_KERNEL, built, threads)
-    assert torch_threads == threads
-    assert pool_built == pool_expected, "only a process with several threads (and cores) uses numba's pool"
+    assert_pool_only_with_threads(_USE_KERNEL, "prompt_attention._parallel_kernel", "()", threads)
