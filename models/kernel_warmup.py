@@ -41,7 +41,7 @@ __all__ = ["KernelSet", "WarmUp", "warm_up"]
 # Seconds each build took on a first start (AMD EPYC, Zen 4, `tools/bench_compile.py`;
 # the thread-pool parts with two threads): only their ratios matter, for sharing the
 # builds out evenly.
-_COST = {"prompt_attention": 2.2, "decode_attention": 1.9, "bf16_gemm": 1.5, "norm_rope": 1.5, "kv_write": 1.1, "argmax": 0.8}
+_COST = {"prompt_attention": 2.2, "decode_attention": 1.9, "bf16_gemm": 1.5, "argmax": 0.8, "norm_rope": 0.8, "kv_write": 0.6}
 _POOL_COST = {"bf16_gemm": 1.2, "prompt_attention": 0.7, "decode_attention": 0.4}
 
 
@@ -78,9 +78,9 @@ class KernelSet:
         if self.argmax:
             out["argmax"] = argmax.prepare
         if self.norm_rope and floats:
-            out["norm_rope"] = norm_rope.prepare
+            out["norm_rope"] = lambda: norm_rope.prepare(dtype)
         if self.kv_write:
-            out["kv_write"] = kv_write.prepare
+            out["kv_write"] = lambda: kv_write.prepare(dtype)
         if self.prompt_attention and dtype == torch.bfloat16 and prompt_attention.fits(self.head_dim):
             out["prompt_attention"] = lambda: prompt_attention.prepare(threads)
         return out

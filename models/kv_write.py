@@ -29,6 +29,8 @@ _Kernel = Callable[..., None]
 
 # Values are copied as their bits: the integer type of each element size.
 _BITS = {2: torch.int16, 4: torch.int32}
+# The float type each element size's kernel is checked with.
+_CHECKED_AS = {2: torch.bfloat16, 4: torch.float32}
 
 _NO_INDEX = np.empty(0, dtype=np.int64)
 
@@ -47,45 +49,48 @@ def _empty_mirror(k: np.ndarray) -> np.ndarray:
     return np.empty((0, k.shape[1], 0, k.shape[2]), dtype=k.dtype)
 
 
-def _check(kernel: _Kernel) -> None:
-    # Builds (or loads from numba's cache) and checks the kernel now, so a broken toolchain fails once, here.
+def _check(dtype: torch.dtype, kernel: _Kernel) -> None:
+    # Builds (or loads from numba's cache) and checks the kernel for dtype's element size
+    # now, so a broken toolchain fails once, here.
     g = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.bfloat16):
-        k, v = torch.randn(2, 5, 3, 4, generator=g).to(dtype)
-        paged_k, paged_v = torch.zeros(2, 8, 3, 4, dtype=dtype)  # flat slots [S, H, D]
-        mirror_k, mirror_v = torch.zeros(2, 3, 3, 6, 4, dtype=dtype)  # [R, H, L, D]
-        slots = torch.tensor([7, 0, 3, 4, 1])
-        take, rows, positions = torch.tensor([4, 1]), torch.tensor([2, 0]), torch.tensor([5, 0])
-        kernel(
-            bits(k), bits(v), slots.numpy(), bits(paged_k), bits(paged_v),
-            take.numpy(), rows.numpy(), positions.numpy(), bits(mirror_k), bits(mirror_v),
-        )
-        want_k, want_v = torch.zeros_like(paged_k), torch.zeros_like(paged_v)
-        want_k.index_copy_(0, slots, k)
-        want_v.index_copy_(0, slots, v)
-        want_mk, want_mv = torch.zeros_like(mirror_k), torch.zeros_like(mirror_v)
-        want_mk.permute(0, 2, 1, 3).index_put_((rows, positions), k[take])
-        want_mv.permute(0, 2, 1, 3).index_put_((rows, positions), v[take])
-        for got, want in ((paged_k, want_k), (paged_v, want_v), (mirror_k, want_mk), (mirror_v, want_mv)):
-            if not torch.equal(got, want):
-                raise RuntimeError(f"the {dtype} KV write kernel differs from torch's index_copy_ / index_put_")
+    k, v = torch.randn(2, 5, 3, 4, generator=g).to(dtype)
+    paged_k, paged_v = torch.zeros(2, 8, 3, 4, dtype=dtype)  # flat slots [S, H, D]
+    mirror_k, mirror_v = torch.zeros(2, 3, 3, 6, 4, dtype=dtype)  # [R, H, L, D]
+    slots = torch.tensor([7, 0, 3, 4, 1])
+    take, rows, positions = torch.tensor([4, 1]), torch.tensor([2, 0]), torch.tensor([5, 0])
+    kernel(
+        bits(k), bits(v), slots.numpy(), bits(paged_k), bits(paged_v),
+        take.numpy(), rows.numpy(), positions.numpy(), bits(mirror_k), bits(mirror_v),
+    )
+    want_k, want_v = torch.zeros_like(paged_k), torch.zeros_like(paged_v)
+    want_k.index_copy_(0, slots, k)
+    want_v.index_copy_(0, slots, v)
+    want_mk, want_mv = torch.zeros_like(mirror_k), torch.zeros_like(mirror_v)
+    want_mk.permute(0, 2, 1, 3).index_put_((rows, positions), k[take])
+    want_mv.permute(0, 2, 1, 3).index_put_((rows, positions), v[take])
+    for got, want in ((paged_k, want_k), (paged_v, want_v), (mirror_k, want_mk), (mirror_v, want_mv)):
+        if not torch.equal(got, want):
+            raise RuntimeError(f"the {dtype} KV write kernel differs from torch's index_copy_ / index_put_")
 
 
-@functools.lru_cache(maxsize=1)
-def _kernel() -> Optional[_Kernel]:
-    """The kernel, built (or loaded from numba's cache) and checked on the first call; None if unusable."""
+@functools.lru_cache(maxsize=None)
+def _kernel(size: int) -> Optional[_Kernel]:
+    """The kernel for elements of `size` bytes, built (or loaded from numba's cache) and checked
+    on the first call; None if unusable. Each size compiles on its own: a rank builds its cache's."""
     return load_checked(
         "models.kv_write_kernels",
         lambda kern: kern.write_kv,
-        _check,
-        "the KV write kernel",
+        functools.partial(_check, _CHECKED_AS[size]),
+        f"the {8 * size}-bit KV write kernel",
         "keys and values are stored with torch's indexing ops",
     )
 
 
-def prepare() -> bool:
-    """Builds the kernel now (a worker calls it while loading); returns whether it can run."""
-    return _kernel() is not None
+def prepare(dtype: Optional[torch.dtype] = None) -> bool:
+    """Builds the kernel for a cache of `dtype` (default: every element size it serves) now
+    (a worker calls it while loading); returns whether it can run."""
+    sizes = [torch.empty(0, dtype=dtype).element_size()] if dtype is not None else list(_BITS)
+    return all(size in _BITS and _kernel(size) is not None for size in sizes)
 
 
 def write_kv(
@@ -105,8 +110,9 @@ def write_kv(
     Raises ValueError on mismatched shapes and IndexError on an index out of range, having
     written nothing.
     """
-    kernel = _kernel()
     paged_k, paged_v = paged
+    size = k.element_size()
+    kernel = _kernel(size) if size in _BITS else None
     if (
         kernel is None
         or k.requires_grad

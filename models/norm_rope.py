@@ -53,45 +53,48 @@ def enabled() -> bool:
     return _enabled
 
 
-def _check(kernels: dict[torch.dtype, tuple[_Kernel, _Kernel]]) -> None:
+def _check(dtype: torch.dtype, kernels: tuple[_Kernel, _Kernel]) -> None:
     # Builds (or loads from numba's cache) and checks each kernel now, so a broken toolchain fails once, here.
     # The ops the kernels replace (models.llama imports this module, so not at its top).
     from models.llama import apply_rotary, rms_norm_reference
 
     g = torch.Generator().manual_seed(0)
-    for dtype in kernels:
-        x = (torch.randn(5, 3, 16, generator=g) * 4).to(dtype)
-        x[0, 0, 0], x[1, 1, 9] = float("nan"), float("inf")
-        angles = torch.randn(5, 8, generator=g) * 3
-        cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
-        want = apply_rotary(x, cos, sin)
-        got = _run_rotary(kernels[dtype][1], x.clone(), cos, sin)
-        if not torch.equal(got.isnan(), want.isnan()) or not torch.equal(got.nan_to_num(), want.nan_to_num()):
-            raise RuntimeError(f"the {dtype} rotary kernel differs from torch by {(got - want).abs().nan_to_num().max().item()}")
-        rows = (torch.randn(7, 48, generator=g) * 3).to(dtype)
-        weight = (torch.rand(48, generator=g) + 0.5).to(dtype)
-        want = rms_norm_reference(rows, weight, 1e-5)
-        got = _run_norm(kernels[dtype][0], rows, weight, 1e-5)
-        if not torch.allclose(got.float(), want.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=0):
-            raise RuntimeError(f"the {dtype} norm kernel differs from torch by {(got.float() - want.float()).abs().max().item()}")
+    x = (torch.randn(5, 3, 16, generator=g) * 4).to(dtype)
+    x[0, 0, 0], x[1, 1, 9] = float("nan"), float("inf")
+    angles = torch.randn(5, 8, generator=g) * 3
+    cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
+    want = apply_rotary(x, cos, sin)
+    got = _run_rotary(kernels[1], x.clone(), cos, sin)
+    if not torch.equal(got.isnan(), want.isnan()) or not torch.equal(got.nan_to_num(), want.nan_to_num()):
+        raise RuntimeError(f"the {dtype} rotary kernel differs from torch by {(got - want).abs().nan_to_num().max().item()}")
+    rows = (torch.randn(7, 48, generator=g) * 3).to(dtype)
+    weight = (torch.rand(48, generator=g) + 0.5).to(dtype)
+    want = rms_norm_reference(rows, weight, 1e-5)
+    got = _run_norm(kernels[0], rows, weight, 1e-5)
+    if not torch.allclose(got.float(), want.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=0):
+        raise RuntimeError(f"the {dtype} norm kernel differs from torch by {(got.float() - want.float()).abs().max().item()}")
 
 
-@functools.lru_cache(maxsize=1)
-def _kernels() -> Optional[dict[torch.dtype, tuple[_Kernel, _Kernel]]]:
-    """(norm, rotary) kernels by dtype, built (or loaded from numba's cache) and checked on the first call; None if unusable."""
+@functools.lru_cache(maxsize=None)
+def _kernels(dtype: torch.dtype) -> Optional[tuple[_Kernel, _Kernel]]:
+    """The (norm, rotary) kernels for `dtype`, built (or loaded from numba's cache) and checked on the first call; None if unusable.
+
+    One source per op; each dtype is compiled on its own first call (in _check), so a
+    rank builds its own dtype's only.
+    """
     return load_checked(
         "models.norm_rope_kernels",
-        # One source per op, compiled for each dtype on its first call (in _check).
-        lambda kern: {dtype: (kern.rms_norm, kern.rotary) for dtype in _BITS},
-        _check,
-        "norm and rotary kernels",
+        lambda kern: (kern.rms_norm, kern.rotary),
+        functools.partial(_check, dtype),
+        f"{dtype} norm and rotary kernels",
         "RMSNorm and rotary embeddings use torch's ops",
     )
 
 
-def prepare() -> bool:
-    """Builds the kernels now (a worker calls it while loading); returns whether they can run."""
-    return _kernels() is not None
+def prepare(dtype: Optional[torch.dtype] = None) -> bool:
+    """Builds the kernels for `dtype` (default: every dtype they serve) now (a worker calls it
+    while loading); returns whether they can run."""
+    return all(_kernels(d) is not None for d in ([dtype] if dtype is not None else _BITS))
 
 
 def _run_norm(kernel: _Kernel, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -122,10 +125,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Optional[torc
     """weight * norm(x) [T, D] as `models.llama.RMSNorm` computes it, or None where the kernel cannot run."""
     if x.dim() != 2 or weight.shape != x.shape[1:] or x.shape[0] == 0 or not _plain(x, weight):
         return None
-    kernels = _kernels()
+    kernels = _kernels(x.dtype)
     if kernels is None:
         return None
-    return _run_norm(kernels[x.dtype][0], x, weight, eps)
+    return _run_norm(kernels[0], x, weight, eps)
 
 
 def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Optional[torch.Tensor]:
@@ -142,7 +145,7 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Optional[t
         or not _plain(x, cos, sin)
     ):
         return None
-    kernels = _kernels()
+    kernels = _kernels(x.dtype)
     if kernels is None:
         return None
-    return _run_rotary(kernels[x.dtype][1], x, cos, sin)
+    return _run_rotary(kernels[1], x, cos, sin)

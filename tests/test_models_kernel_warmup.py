@@ -47,6 +47,25 @@ def test_the_stamp_follows_the_settings() -> None:
     assert KernelSet(torch.float32, 1, 64).stamp() != KernelSet(torch.bfloat16, 1, 64).stamp()
 
 
+def test_a_rank_compiles_its_own_dtype_only(script_env, tmp_path) -> None:
+    # A fresh numba cache, so that what the build compiles is all there is.
+    code = textwrap.dedent("""
+        import torch
+        from models import kv_write_kernels, norm_rope_kernels
+        from models.kernel_warmup import KernelSet
+        only = dict(bf16_gemm=False, decode_attention=False, prompt_attention=False, argmax=False)
+        assert all(KernelSet(torch.bfloat16, 1, 64, **only).build().values())
+        print(*(str(d.signatures) for d in (norm_rope_kernels.rms_norm, norm_rope_kernels.rotary, kv_write_kernels.write_kv)), sep="\\n")
+    """)
+    env = dict(script_env, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    signatures = proc.stdout.splitlines()
+    assert len(signatures) == 3
+    for compiled in signatures:
+        # One signature each, over bfloat16's int16 bits: no float32 (or int32) variant.
+        assert "int16" in compiled and "float32" not in compiled and "int32" not in compiled, compiled
+
 _WARM = """
 import sys, torch
 from actors.gang import start_context
