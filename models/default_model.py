@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
+from models.config import LlamaArgs
 from models.sharegpt import sharegpt_text
 
 if TYPE_CHECKING:
@@ -99,11 +100,20 @@ def default_model_config() -> LlamaConfig:
     )
 
 
+def default_model_args() -> LlamaArgs:
+    """The built-in model's `LlamaArgs`: what `load_config` reads from its checkpoint once it is built."""
+    return LlamaArgs.from_hf(default_model_config())
+
+
 def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """The cache folder: `cache_dir` if given, else `$PIPEACTORS_CACHE`, else ~/.cache/pipeactors."""
     if cache_dir is None:
         cache_dir = os.environ.get(CACHE_ENV) or DEFAULT_CACHE
     return Path(cache_dir).expanduser()
+
+
+def _default_model_target(cache_dir: str | os.PathLike[str] | None, seed: int) -> Path:
+    return cache_root(cache_dir) / f"{DEFAULT_MODEL_NAME}-v{FORMAT_VERSION}-seed{seed}"
 
 
 def default_model_dir(cache_dir: str | os.PathLike[str] | None = None, *, seed: int = 0) -> Path:
@@ -112,8 +122,13 @@ def default_model_dir(cache_dir: str | os.PathLike[str] | None = None, *, seed: 
     The first call takes a few seconds (tokenizer training dominates); later calls,
     from any process, only check for the marker file.
     """
-    target = cache_root(cache_dir) / f"{DEFAULT_MODEL_NAME}-v{FORMAT_VERSION}-seed{seed}"
+    target = _default_model_target(cache_dir, seed)
     return build_atomically(target, lambda directory: _build_default_model(directory, seed))
+
+
+def default_model_built(cache_dir: str | os.PathLike[str] | None = None, *, seed: int = 0) -> bool:
+    """Whether the built-in model's checkpoint is complete already (`default_model_dir` then builds nothing)."""
+    return _is_complete(_default_model_target(cache_dir, seed))
 
 
 def _build_default_model(directory: Path, seed: int) -> None:

@@ -7,14 +7,14 @@ import json
 import logging
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence, Union
 
 from typing_extensions import Self
 
 from actors import ConfigError, FaultPlan, RayOptions, Supervisor, SupervisionPolicy, prestart
 from actors.gang import start_context
-from models.config import ModelConfigError, load_config, resolve_dtype
+from models.config import LlamaArgs, ModelConfigError, load_config, resolve_dtype
 from models.kernel_warmup import KernelSet, WarmUp, warm_up
 from scheduling.engine import Engine
 from scheduling.request import Request, RequestOutput
@@ -58,6 +58,13 @@ def _listed(items: Any, what: str) -> list:
 def default_max_num_batched_tokens(pp: int) -> int:
     """The engine's token budget per batch when none is given: large for one stage, small for a pipeline."""
     return MAX_NUM_BATCHED_TOKENS if pp == 1 else PP_MAX_NUM_BATCHED_TOKENS
+
+
+def _done(value: Any) -> Future:
+    """A future that already holds `value`."""
+    future: Future = Future()
+    future.set_result(value)
+    return future
 
 
 def cpu_plan(world_size: int, cpus_per_rank: Optional[int]) -> Optional[list[list[int]]]:
@@ -212,18 +219,6 @@ class LLM:
             # The fork server imports the worker's modules (torch: about 2.5 s of CPU) once
             # for every rank, meanwhile this process finds the model and its tokenizer.
             prestart(PRELOAD)
-        if model is None:
-            from models.default_model import default_model_dir
-
-            model = default_model_dir()
-        self.model = os.fspath(model)
-        self.args = load_config(self.model)
-        # Importing transformers for the tokenizer costs about 0.7 s: do it while the
-        # actors start, not before.
-        tokenizer_loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeactors-tokenizer")
-        tokenizer = tokenizer_loader.submit(load_tokenizer, self.model)
-        tokenizer_loader.shutdown(wait=False)
-        self._request_ids = itertools.count()
         world_size = tp * pp
         if backend == "ray":
             # Ray decides where ranks run: pin only when asked; threads follow the CPUs reserved.
@@ -234,6 +229,40 @@ class LLM:
             plan = cpu_plan(world_size, cpus_per_rank)
         if num_threads is None and plan is not None:
             num_threads = len(plan[0])
+        warmup_options: Optional[dict[str, Any]] = None
+        if backend == "mp" and compile_workers != 0:
+            warmup_options = dict(
+                threads=num_threads or max(1, len(os.sched_getaffinity(0)) // world_size),
+                bf16_gemm=bf16_gemm_kernel and prepack_weights,
+                decode_attention=decode_kernel and (kv_mirror_bytes is None or kv_mirror_bytes > 0),
+                prompt_attention=prompt_attention_kernel,
+                norm_rope=norm_rope_kernels,
+                kv_write=kv_write_kernel,
+            )
+        early: Optional[Future] = None  # a warm-up started before the default model's build
+        if model is None:
+            from models.default_model import default_model_args, default_model_built, default_model_dir
+
+            if warmup_options is not None and not default_model_built():
+                # A machine's first start: building the model takes seconds, so the kernels'
+                # warm-up starts first, from the config the build writes. Starting it waits
+                # for the fork server's imports: a thread does that while this one builds.
+                early = self._start_warm_up(dtype, default_model_args(), warmup_options, compile_workers)
+        try:
+            if model is None:
+                model = default_model_dir()
+            self.model = os.fspath(model)
+            self.args = load_config(self.model)
+        except BaseException:
+            if early is not None:
+                self._end_warm_up(early)
+            raise
+        # Importing transformers for the tokenizer costs about 0.7 s: do it while the
+        # actors start, not before.
+        tokenizer_loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeactors-tokenizer")
+        tokenizer = tokenizer_loader.submit(load_tokenizer, self.model)
+        tokenizer_loader.shutdown(wait=False)
+        self._request_ids = itertools.count()
         worker_kwargs: dict[str, Any] = dict(
             model=self.model, dtype=dtype, kv_cache_bytes=int(kv_cache_bytes), block_size=int(block_size)
         )
@@ -266,18 +295,16 @@ class LLM:
         if layer_split is not None:
             worker_kwargs["layer_split"] = tuple(layer_split)
         warmup: Optional[WarmUp] = None
-        if backend == "mp" and compile_workers != 0:
-            kernels = self._kernel_set(
-                dtype,
-                num_threads or max(1, len(os.sched_getaffinity(0)) // world_size),
-                bf16_gemm=bf16_gemm_kernel and prepack_weights,
-                decode_attention=decode_kernel and (kv_mirror_bytes is None or kv_mirror_bytes > 0),
-                prompt_attention=prompt_attention_kernel,
-                norm_rope=norm_rope_kernels,
-                kv_write=kv_write_kernel,
-            )
-            if kernels is not None:
-                warmup = warm_up(kernels, start_context("forkserver", PRELOAD), compile_workers)
+        try:
+            if early is not None:
+                warmup = early.result()
+            elif warmup_options is not None:
+                kernels = self._kernel_set(dtype, self.args, **warmup_options)
+                if kernels is not None:
+                    warmup = warm_up(kernels, start_context("forkserver", PRELOAD), compile_workers)
+        except BaseException:
+            tokenizer.cancel()
+            raise
         try:
             self.supervisor = Supervisor(
                 worker=WORKER,
@@ -345,18 +372,44 @@ class LLM:
             max_model_len,
         )
 
-    def _kernel_set(self, dtype: str, threads: int, **builds: bool) -> Optional[KernelSet]:
-        """What every CPU rank will build (the last stage's argmax included); None where the ranks run on CUDA
-        or the dtype is one the ranks will refuse (they say so, naming themselves)."""
+    @staticmethod
+    def _kernel_set(dtype: str, args: LlamaArgs, threads: int, **builds: bool) -> Optional[KernelSet]:
+        """What every CPU rank of a model with `args` will build (the last stage's argmax included); None
+        where the ranks run on CUDA or the dtype is one the ranks will refuse (they say so, naming themselves)."""
         import torch
 
         if torch.cuda.is_available():
             return None
         try:
-            resolved = resolve_dtype(dtype, self.args, "cpu")
+            resolved = resolve_dtype(dtype, args, "cpu")
         except ModelConfigError:
             return None
-        return KernelSet(resolved, threads, self.args.head_dim, argmax=True, **builds)
+        return KernelSet(resolved, threads, args.head_dim, argmax=True, **builds)
+
+    @classmethod
+    def _start_warm_up(cls, dtype: str, args: LlamaArgs, options: dict[str, Any], parts: Optional[int]) -> Future:
+        """Starts `warm_up` for a model with `args` in a thread; a future of its `WarmUp` (or None).
+
+        Should the checkpoint's config differ from `args`, the ranks build what the warm-up did not.
+        """
+        kernels = cls._kernel_set(dtype, args, **options)
+        if kernels is None:
+            return _done(None)
+        starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeactors-warmup")
+        started = starter.submit(warm_up, kernels, start_context("forkserver", PRELOAD), parts)
+        starter.shutdown(wait=False)
+        return started
+
+    @staticmethod
+    def _end_warm_up(started: Future) -> None:
+        """Stops a warm-up that `_start_warm_up` began (waiting for it to have started)."""
+        try:
+            warmup = started.result()
+        except Exception as exc:  # noqa: BLE001 - nothing of it runs then
+            logger.debug("kernel warm-up did not start: %s", exc)
+            return
+        if warmup is not None:
+            warmup.close()
 
     def _setup_call(self, method: str, timeout: float) -> list[Any]:
         """Runs a setup method on every rank; setup=True: a restarted gang replays it before new batches.

@@ -27,6 +27,8 @@ from models.default_model import (
     PAD_ID,
     build_atomically,
     cache_root,
+    default_model_args,
+    default_model_built,
     default_model_config,
     default_model_dir,
     llama_tensor_shapes,
@@ -34,6 +36,7 @@ from models.default_model import (
     train_tokenizer,
     write_checkpoint,
 )
+from models.config import load_config
 from models.sharegpt import iter_json_array, iter_sharegpt_records, sharegpt_text
 
 ROUND_TRIP_TEXTS = [
@@ -82,6 +85,13 @@ def test_default_config_is_the_specified_small_llama() -> None:
     assert not config.tie_word_embeddings
     num_params = sum(torch.Size(shape).numel() for shape in llama_tensor_shapes(config).values())
     assert 55e6 < num_params < 57e6
+
+
+def test_the_args_known_before_the_build_are_the_checkpoints(model_dir: Path) -> None:
+    # LLM starts compiling from them while a first start builds the model.
+    assert default_model_args() == load_config(model_dir)
+    assert default_model_built(model_dir.parent)
+    assert not default_model_built(model_dir.parent / "elsewhere")
 
 
 def test_checkpoint_loads_into_transformers_with_no_missing_or_unexpected_keys(model_dir: Path) -> None:

@@ -65,3 +65,43 @@ def test_after_the_warm_up_the_ranks_compile_nothing(script_env, tmp_path, worke
         assert all(n > 0 for n in first), "with no helpers each rank compiles its own"
     assert second == [0, 0]  # everything cached by then
     assert out["tokens"][0] == out["tokens"][1]
+
+
+_FIRST_START = """
+import json, sys, time
+import models.default_model as default_model
+import models.kernel_warmup as kernel_warmup
+from scheduling import LLM
+from tests.test_scheduling_warmup import rank_compiles
+
+events = {}
+build, start = default_model._build_default_model, kernel_warmup.WarmUp.__init__
+
+def timed_build(*args, **kwargs):
+    build(*args, **kwargs)
+    events["model_built"] = time.perf_counter()
+
+def timed_start(self, *args, **kwargs):
+    events["warm_up_started"] = time.perf_counter()
+    start(self, *args, **kwargs)
+
+default_model._build_default_model = timed_build
+kernel_warmup.WarmUp.__init__ = timed_start
+with LLM(dtype="float32", kv_cache_bytes=8 * 2**20) as llm:
+    events["compiled"] = llm.supervisor.collective_rpc(rank_compiles)
+print(json.dumps(events))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_first_start_compiles_while_the_default_model_is_built(script_env, tmp_path) -> None:
+    # Nothing built yet, as on a fresh machine: neither the default model nor any kernel.
+    env = dict(script_env, NUMBA_CACHE_DIR=str(tmp_path / "numba"), PIPEACTORS_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_FIRST_START)], env=env, capture_output=True, text=True, timeout=220
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = json.loads(proc.stdout.splitlines()[-1])
+    assert events["warm_up_started"] < events["model_built"], events
+    assert events["compiled"] == [0], "the warm-up built a different set than the rank needed"
+    assert list((tmp_path / "cache" / "kernels").glob("*.done"))
