@@ -89,7 +89,7 @@ def _kernel(size: int) -> Optional[_Kernel]:
 def prepare(dtype: Optional[torch.dtype] = None) -> bool:
     """Builds the kernel for a cache of `dtype` (default: every element size it serves) now
     (a worker calls it while loading); returns whether it can run."""
-    sizes = [torch.empty(0, dtype=dtype).element_size()] if dtype is not None else list(_BITS)
+    sizes = [dtype.itemsize] if dtype is not None else list(_BITS)
     return all(size in _BITS and _kernel(size) is not None for size in sizes)
 
 
