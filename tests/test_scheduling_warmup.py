@@ -105,3 +105,39 @@ def test_a_first_start_compiles_while_the_default_model_is_built(script_env, tmp
     assert events["warm_up_started"] < events["model_built"], events
     assert events["compiled"] == [0], "the warm-up built a different set than the rank needed"
     assert list((tmp_path / "cache" / "kernels").glob("*.done"))
+
+
+_FAILED_BUILD = """
+import multiprocessing, time
+import models.default_model as default_model
+from scheduling import LLM
+
+def failing_build(directory, seed):
+    # Fails while the warm-up's helpers compile (bfloat16: seconds of it each).
+    deadline = time.monotonic() + 60
+    while not multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print("helpers running", len(multiprocessing.active_children()))
+    raise OSError("No space left on device")
+
+default_model._build_default_model = failing_build
+try:
+    LLM(dtype="bfloat16", kv_cache_bytes=8 * 2**20)
+except OSError as exc:
+    print("raised", exc)
+print("helpers left", len(multiprocessing.active_children()))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_build_of_the_default_model_ends_the_warm_up(script_env, tmp_path) -> None:
+    env = dict(script_env, NUMBA_CACHE_DIR=str(tmp_path / "numba"), PIPEACTORS_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_FAILED_BUILD)], env=env, capture_output=True, text=True, timeout=100
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("helpers running") and int(lines[0].split()[-1]) >= 1
+    assert "raised No space left on device" in lines
+    assert lines[-1] == "helpers left 0"
+    assert not list((tmp_path / "cache" / "kernels").glob("*.done"))  # nothing finished: no stamp
