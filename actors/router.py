@@ -108,11 +108,14 @@ class Router:
         gang: BaseGang,
         classify: Callable[["Router", ActorError], BaseException],
         on_fatal: Callable[["Router", ActorError], None],
+        cpus: Optional[list[int]] = None,
     ) -> None:
         """`classify(router, error)` gives what pending calls fail with when the gang
         breaks (it runs in the thread that saw the break); `on_fatal(router, error)`
-        then runs once in the router thread, which ends after it."""
+        then runs once in the router thread, which ends after it. `cpus`: where the
+        router thread runs (default: anywhere)."""
         self.gang = gang
+        self._cpus = cpus
         self._classify = classify
         self._on_fatal = on_fatal
         self._lock = threading.Lock()
@@ -228,6 +231,11 @@ class Router:
             head.started = time.monotonic()
 
     def _run(self) -> None:
+        if self._cpus:
+            try:
+                os.sched_setaffinity(0, self._cpus)  # this thread only (Linux: 0 is the calling thread)
+            except OSError as exc:
+                logger.warning("reply router not pinned to CPUs %s: %s", self._cpus, exc)
         while True:
             # Drain before looking at the state: a poke that lands after the look is then
             # still in the pipe when we wait, so no wake-up is lost.

@@ -128,8 +128,10 @@ class Runtime:
         start_timeout: float,
         shutdown_grace: float,
         backend: Any = None,
+        driver_cpus: Optional[list[int]] = None,
     ) -> None:
         self.spec = spec
+        self.driver_cpus = driver_cpus
         self.backend = backend if backend is not None else ProcessBackend()
         self.policy = policy
         self.start_timeout = start_timeout
@@ -172,7 +174,7 @@ class Runtime:
                 raise SupervisorClosed("the supervisor was closed during a start")
             self._gangs.append(gang)
         gang.start(self.start_timeout, self.registry)
-        router = Router(gang, self._classify, self._on_fatal)
+        router = Router(gang, self._classify, self._on_fatal, cpus=self.driver_cpus)
         with self.cond:
             self.gang, self.router, self.epoch = gang, router, epoch
             self._routers.append(router)

@@ -41,6 +41,16 @@ def _worker_path(worker: Union[str, type]) -> str:
     raise ConfigError(f"worker must be 'package.module:ClassName' or a class, got {worker!r}")
 
 
+def _cpu_list(cpus: Sequence[int]) -> list[int]:
+    """`cpus` as a sorted list of CPUs this process may run on; ConfigError naming what is wrong."""
+    if isinstance(cpus, (str, bytes)) or not all(isinstance(c, int) and not isinstance(c, bool) for c in cpus):
+        raise ConfigError(f"driver_cpus must be a sequence of CPU numbers, got {cpus!r}")
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not set(cpus) <= allowed:
+        raise ConfigError(f"driver_cpus must be some of this process's CPUs {sorted(allowed)}, got {list(cpus)!r}")
+    return sorted(set(cpus))
+
+
 class Supervisor:
     """A gang of `tp_size * pp_size` long-lived actor processes, one per (pp, tp) rank.
 
@@ -62,6 +72,9 @@ class Supervisor:
             (after the `preload` modules, which the fork server imported without them:
             variables those read at import time need start_method="spawn").
         cpus: a function of the global rank giving the CPUs that actor may run on.
+        driver_cpus: CPUs the reply router's thread runs on (default: wherever the OS puts
+            it). A pipeline's first stage waits for the round trip through this process
+            between its steps, so its CPUs are free exactly when the router has work.
         control_address: where the control plane listens; default a Unix socket in
             a private directory ("mp") or TCP on this node's address ("ray");
             ("127.0.0.1", 0) for loopback TCP.
@@ -92,6 +105,7 @@ class Supervisor:
         fault_plan: Any = None,
         env: Optional[Mapping[str, str]] = None,
         cpus: Optional[Callable[[int], Optional[list[int]]]] = None,
+        driver_cpus: Optional[Sequence[int]] = None,
         control_address: Optional[Address] = None,
         shutdown_grace: float = 5.0,
         backend: str = "mp",
@@ -117,6 +131,8 @@ class Supervisor:
                 raise ConfigError(f"{name} must be a number >= 0, got {value!r}")
         if call_timeout is not None and not call_timeout > 0:
             raise ConfigError(f"call_timeout must be > 0 or None, got {call_timeout!r}")
+        if driver_cpus is not None:
+            driver_cpus = _cpu_list(driver_cpus)
         spec = GangSpec(
             worker=_worker_path(worker),
             worker_kwargs=dict(worker_kwargs or {}),
@@ -133,7 +149,8 @@ class Supervisor:
         self.start_timeout = start_timeout
         self.backend = backend
         runner = RayBackend(ray_options, self._ranks) if backend == "ray" else ProcessBackend()
-        self._rt = Runtime(spec, self.policy, max_inflight, start_timeout, shutdown_grace, runner)
+        self.driver_cpus = driver_cpus
+        self._rt = Runtime(spec, self.policy, max_inflight, start_timeout, shutdown_grace, runner, driver_cpus)
         try:
             self._authkey = os.urandom(32)
             address = control_address or runner.default_control_address(self._rt.workdir)

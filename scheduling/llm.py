@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import os
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 from typing_extensions import Self
 
@@ -65,6 +66,44 @@ def _done(value: Any) -> Future:
     future: Future = Future()
     future.set_result(value)
     return future
+
+
+def driver_cpus(plan: Optional[list[list[int]]], tp: int) -> Optional[list[int]]:
+    """Where this process's engine loop and reply router run, given the ranks' CPU plan.
+
+    CPUs no rank is pinned to, where there are any; else, in a pipeline, the first
+    stage's: a batch's next step waits on stage 0 for the driver's work between the
+    last stage's reply and the next submit, so those CPUs are idle just then, whereas a
+    later stage is still computing the other batch. Else None (wherever the OS puts them).
+    """
+    if plan is None:
+        return None
+    used = {cpu for cpus in plan for cpu in cpus}
+    free = sorted(set(os.sched_getaffinity(0)) - used)
+    if free:
+        return free
+    if len(plan) > tp:
+        return sorted({cpu for cpus in plan[:tp] for cpu in cpus})
+    return None
+
+
+@contextlib.contextmanager
+def _this_thread_on(cpus: Optional[list[int]]) -> Iterator[None]:
+    """Runs the block with the calling thread pinned to `cpus` (if any), then restores its CPUs."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)  # Linux: 0 is the calling thread
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        logger.debug("engine loop not pinned to CPUs %s: %s", cpus, exc)
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def cpu_plan(world_size: int, cpus_per_rank: Optional[int]) -> Optional[list[list[int]]]:
@@ -165,6 +204,9 @@ class LLM:
         policy: supervision policy, "fail" (default) or "restart"; after a restart the
             engine recomputes the requests that were running, so none is lost.
         fault_plan: an `actors.FaultPlan` (deterministic fault injection, for tests).
+        pin_driver: with backend "mp" and pinned ranks, run this process's engine loop (while
+            `generate` runs) and reply router on the CPUs `driver_cpus` picks: a pipeline's
+            first stage's, or CPUs no rank uses (True, the default); False leaves them to the OS.
         backend: "mp" (default, worker processes of this one) or "ray" (Ray actors placed
             through placement groups; see `actors.RayOptions`). With "ray" ranks are not
             pinned unless `cpus_per_rank` is given, and each runs `ray_options.num_cpus` threads.
@@ -204,6 +246,7 @@ class LLM:
         max_inflight: Optional[int] = None,
         policy: Union[str, SupervisionPolicy, None] = None,
         fault_plan: Optional[FaultPlan] = None,
+        pin_driver: bool = True,
         backend: str = "mp",
         ray_options: Optional[RayOptions] = None,
     ) -> None:
@@ -229,6 +272,8 @@ class LLM:
             plan = cpu_plan(world_size, cpus_per_rank)
         if num_threads is None and plan is not None:
             num_threads = len(plan[0])
+        # Where the engine loop and the reply router run (None: wherever the OS puts them).
+        self.driver_cpus: Optional[list[int]] = driver_cpus(plan, tp) if backend == "mp" and pin_driver else None
         warmup_options: Optional[dict[str, Any]] = None
         if backend == "mp" and compile_workers != 0:
             warmup_options = dict(
@@ -316,6 +361,7 @@ class LLM:
                 policy=policy,
                 fault_plan=fault_plan,
                 cpus=plan.__getitem__ if plan is not None else None,
+                driver_cpus=self.driver_cpus,
                 backend=backend,
                 ray_options=ray_options,
                 preload=PRELOAD,
@@ -461,10 +507,11 @@ class LLM:
         try:
             for req in requests:
                 engine.add_request(req)
-            while engine.has_unfinished():
-                finished = engine.step()
-                if bar is not None and finished:
-                    bar.update(len(finished))
+            with _this_thread_on(self.driver_cpus):
+                while engine.has_unfinished():
+                    finished = engine.step()
+                    if bar is not None and finished:
+                        bar.update(len(finished))
         except BaseException:
             # Leave the engine empty and the gang idle for the next call (if the gang still lives).
             engine.abort()

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import platform
+import threading
 import time
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch
 from actors import ActorDied, ConfigError, Fault, FaultPlan
 from scheduling import LLM, SamplingParams
 from models.prepack import prepack_supported
-from scheduling.llm import default_max_num_batched_tokens
+from scheduling.llm import cpu_plan, default_max_num_batched_tokens, driver_cpus
 from tests.conftest import child_pids, wait_gone
 from tests.model_checkpoints import PROMPTS, TINY, build_checkpoint, reference_greedy, reference_model
 
@@ -91,6 +92,27 @@ def llm(request, reference):
 
 class TestLayout:
     """One gang per layout, shared by its tests (class-scoped: gone before the tests below start theirs)."""
+
+    def test_the_engine_loop_and_the_router_run_on_the_driver_cpus(self, llm):
+        sup = llm.supervisor
+        assert llm.driver_cpus == driver_cpus(cpu_plan(sup.world_size, None), sup.tp_size)
+        before = os.sched_getaffinity(0)
+        seen = []
+        step = llm.engine.step
+
+        def traced_step():
+            seen.append(os.sched_getaffinity(0))
+            return step()
+
+        llm.engine.step = traced_step
+        try:
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
+        finally:
+            del llm.engine.step
+        assert seen and all(cpus == (set(llm.driver_cpus) if llm.driver_cpus else before) for cpus in seen)
+        assert os.sched_getaffinity(0) == before  # restored once generate returns
+        routers = [t for t in threading.enumerate() if t.name.startswith("pipeactors-router")]
+        assert all(os.sched_getaffinity(t.native_id) == set(llm.driver_cpus or before) for t in routers)
 
     def test_greedy_matches_transformers_across_batches_and_preemption(self, llm, reference):
         _, expected, _ = reference
@@ -252,6 +274,23 @@ class TestLayout:
         one = llm.generate(torch.tensor(MANY_PROMPTS[0]), params)
         many = llm.generate([np.array(p, dtype=np.int64) for p in MANY_PROMPTS[:2]], params)
         assert [o.token_ids for o in one + many] == [expected[0], expected[0], expected[1]]
+
+
+@pytest.mark.parametrize(
+    "cpus, plan, tp, want",
+    [
+        ({0, 1}, None, 1, None),  # ranks not pinned
+        ({0, 1}, [[0], [1]], 1, [0]),  # PP2: the first stage's CPU
+        ({0, 1}, [[0], [1]], 2, None),  # TP2: one stage, every CPU busy at once
+        ({0, 1}, [[0, 1]], 1, None),  # one rank on both CPUs
+        ({0, 1}, [[0]], 1, [1]),  # a CPU no rank uses
+        ({0, 1, 2, 3}, [[0], [1], [2], [3]], 2, [0, 1]),  # TP2xPP2: the first stage's ranks
+        ({0, 1, 2, 3, 4}, [[0], [1], [2], [3]], 2, [4]),
+    ],
+)
+def test_driver_cpus_follow_the_plan(monkeypatch, cpus, plan, tp, want):
+    monkeypatch.setattr("scheduling.llm.os.sched_getaffinity", lambda pid: set(cpus))
+    assert driver_cpus(plan, tp) == want
 
 
 @pytest.mark.parametrize(

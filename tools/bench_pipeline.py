@@ -47,8 +47,10 @@ batches in flight, one line per run, then {"bench": "pipeline_move_back", "back"
 of the runs with it}, "no_back": {...}, "back_over_no_back_2": [pairs], ...}. With BACK
 forbidden the copy is still kept, so the keys still come back after every step.
 `--pin-driver CPU` pins this process's threads (the engine's loop and the reply router)
-to one CPU once the gang is up: which core the driver's work lands on. Run it alone on
-the machine.
+to one CPU once the gang is up: which core the driver's work lands on. `LLM` pins them
+itself by default (to the first stage's CPU in PP2, `scheduling.llm.driver_cpus`), and its
+engine loop's pinning wins while `generate` runs: add `--no-pin-driver` to try another
+CPU, or to leave them to the OS. Run it alone on the machine.
 """
 
 from __future__ import annotations
