@@ -12,7 +12,6 @@ import importlib.util
 import json
 import os
 import platform
-import threading
 import time
 
 import numpy as np
@@ -111,8 +110,8 @@ class TestLayout:
             del llm.engine.step
         assert seen and all(cpus == (set(llm.driver_cpus) if llm.driver_cpus else before) for cpus in seen)
         assert os.sched_getaffinity(0) == before  # restored once generate returns
-        routers = [t for t in threading.enumerate() if t.name.startswith("pipeactors-router")]
-        assert all(os.sched_getaffinity(t.native_id) == set(llm.driver_cpus or before) for t in routers)
+        router = sup._rt.router._thread
+        assert os.sched_getaffinity(router.native_id) == set(llm.driver_cpus or before)
 
     def test_greedy_matches_transformers_across_batches_and_preemption(self, llm, reference):
         _, expected, _ = reference
