@@ -50,8 +50,9 @@ class KernelSet:
     """The numba kernels a CPU rank with these settings builds (the worker's options decide each).
 
     `bf16_gemm` and `prompt_attention` apply to bfloat16 only, `decode_attention` and
-    `norm_rope` to float32 and bfloat16; `argmax` is the last stage's. With `threads` > 1
-    the thread-pool versions are built too.
+    `norm_rope` to float32 and bfloat16; `argmax` is the last stage's. Each is built for
+    `dtype` only, but the argmax for bfloat16 and float32 both (the sampler reads float32
+    logits). With `threads` > 1 the thread-pool versions are built too.
     """
 
     dtype: torch.dtype
