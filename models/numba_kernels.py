@@ -15,7 +15,7 @@ import logging
 from types import ModuleType
 from typing import Any, Callable, Optional, TypeVar
 
-__all__ = ["load_checked", "native_address", "pool_size", "run_on_pool", "run_split", "uses_pool"]
+__all__ = ["load_checked", "native_address", "pool_size", "run_split", "uses_pool"]
 
 logger = logging.getLogger(__name__)
 

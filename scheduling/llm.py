@@ -61,13 +61,6 @@ def default_max_num_batched_tokens(pp: int) -> int:
     return MAX_NUM_BATCHED_TOKENS if pp == 1 else PP_MAX_NUM_BATCHED_TOKENS
 
 
-def _done(value: Any) -> Future:
-    """A future that already holds `value`."""
-    future: Future = Future()
-    future.set_result(value)
-    return future
-
-
 def driver_cpus(plan: Optional[list[list[int]]], tp: int) -> Optional[list[int]]:
     """Where this process's engine loop and reply router run, given the ranks' CPU plan.
 
@@ -433,14 +426,17 @@ class LLM:
         return KernelSet(resolved, threads, args.head_dim, argmax=True, **builds)
 
     @classmethod
-    def _start_warm_up(cls, dtype: str, args: LlamaArgs, options: dict[str, Any], parts: Optional[int]) -> Future:
-        """Starts `warm_up` for a model with `args` in a thread; a future of its `WarmUp` (or None).
+    def _start_warm_up(
+        cls, dtype: str, args: LlamaArgs, options: dict[str, Any], parts: Optional[int]
+    ) -> Optional[Future]:
+        """Starts `warm_up` for a model with `args` in a thread: a future of its `WarmUp` (or of
+        None), or None where the ranks will build nothing on CPU.
 
         Should the checkpoint's config differ from `args`, the ranks build what the warm-up did not.
         """
         kernels = cls._kernel_set(dtype, args, **options)
         if kernels is None:
-            return _done(None)
+            return None
         starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipeactors-warmup")
         started = starter.submit(warm_up, kernels, start_context("forkserver", PRELOAD), parts)
         starter.shutdown(wait=False)

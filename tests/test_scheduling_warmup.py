@@ -47,15 +47,23 @@ print(json.dumps(out))
 """
 
 
+def _run_cold(script_env: dict, tmp_path, script: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """`script` in a fresh Python, as on a machine's first start: numba's cache and ours empty.
+
+    Fails the test unless it exits with 0.
+    """
+    env = dict(script_env, NUMBA_CACHE_DIR=str(tmp_path / "numba"), PIPEACTORS_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("workers", [2, 0])
 def test_after_the_warm_up_the_ranks_compile_nothing(script_env, tmp_path, workers: int) -> None:
-    env = dict(script_env, NUMBA_CACHE_DIR=str(tmp_path / "numba"), PIPEACTORS_CACHE=str(tmp_path / "cache"))
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_SCRIPT), str(tmp_path / "tiny"), str(workers)],
-        env=env, capture_output=True, text=True, timeout=280,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _run_cold(script_env, tmp_path, _SCRIPT, str(tmp_path / "tiny"), str(workers), timeout=280)
     out = json.loads(proc.stdout.splitlines()[-1])
     first, second = out["compiled"]
     if workers:
@@ -96,11 +104,7 @@ print(json.dumps(events))
 @pytest.mark.timeout(240)
 def test_a_first_start_compiles_while_the_default_model_is_built(script_env, tmp_path) -> None:
     # Nothing built yet, as on a fresh machine: neither the default model nor any kernel.
-    env = dict(script_env, NUMBA_CACHE_DIR=str(tmp_path / "numba"), PIPEACTORS_CACHE=str(tmp_path / "cache"))
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_FIRST_START)], env=env, capture_output=True, text=True, timeout=220
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _run_cold(script_env, tmp_path, _FIRST_START, timeout=220)
     events = json.loads(proc.stdout.splitlines()[-1])
     assert events["warm_up_started"] < events["model_built"], events
     assert events["compiled"] == [0], "the warm-up built a different set than the rank needed"
@@ -131,11 +135,7 @@ print("helpers left", len(multiprocessing.active_children()))
 
 @pytest.mark.timeout(120)
 def test_a_failed_build_of_the_default_model_ends_the_warm_up(script_env, tmp_path) -> None:
-    env = dict(script_env, NUMBA_CACHE_DIR=str(tmp_path / "numba"), PIPEACTORS_CACHE=str(tmp_path / "cache"))
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_FAILED_BUILD)], env=env, capture_output=True, text=True, timeout=100
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _run_cold(script_env, tmp_path, _FAILED_BUILD, timeout=100)
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("helpers running") and int(lines[0].split()[-1]) >= 1
     assert "raised No space left on device" in lines
