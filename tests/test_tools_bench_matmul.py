@@ -41,3 +41,13 @@ def test_model_rows_prints_one_json_line_per_row_count(capsys, monkeypatch):
         torch.set_num_threads(threads)  # main() sets this process's count
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(line["bench"], line["rows"], line["dtype"]) for line in lines] == [("model_linears", 2, "float32")]
+
+
+def test_together_times_the_matmul_alone_then_on_every_cpu_at_once(monkeypatch):
+    cpus = sorted(os.sched_getaffinity(0))
+    cpus = [cpus[0], cpus[-1]]  # one CPU twice on a one-core machine: then it cannot scale
+    monkeypatch.setattr(bench_matmul, "TOGETHER_START_S", 3.0)
+    line = bench_matmul.together(cpus, "float32", [8, 64, 64], iters=20, repeats=2)
+    assert line["bench"] == "matmul_scaling" and line["cpus"] == cpus and line["dtype"] == "float32"
+    assert line["alone_gflops"] > 0 and len(line["together_gflops"]) == 2 and min(line["together_gflops"]) > 0
+    assert line["scaling"] == round(sum(line["together_gflops"]) / line["alone_gflops"], 3)

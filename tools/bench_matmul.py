@@ -17,13 +17,25 @@ from memory as a real step does), applied once each to R rows, one line per row 
    "ms": ..., "gflops": ..., "weights_gb_per_s": ... (10^9 bytes)}
 Two steps of R rows cost more than one of 2R by the part that does not grow with the
 rows, chiefly reading the weights: what two half-size batches in flight pay.
+
+`--together CPU [CPU ...]` measures how this machine's cores scale when all of them
+compute at once: the matmul in one process pinned to the first CPU alone, then in one
+process per CPU at the same time, one line per dtype:
+  {"bench": "matmul_scaling", "dtype": D, "cpus": [...], "alone_gflops": ...,
+   "together_gflops": [...], "scaling": sum(together) / alone}
+Two real cores scale 2x; cores that share a physical core, a power budget or a busy
+host less. A pipeline's stages compute at once, so this bounds what two batches in
+flight can gain over one (tools/bench_throughput.py's overlap).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -92,6 +104,31 @@ def bench_model_linears(dtype: torch.dtype, rows: list[int], repeats: int) -> li
     return out
 
 
+# --together: how long after launching the processes they all start measuring.
+TOGETHER_START_S = 5.0
+
+
+def together(cpus: list[int], dtype: str, shape: list[int], iters: int, repeats: int) -> dict:
+    """The matmul alone on cpus[0], then on every CPU at once, each in its own one-thread process."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--dtypes", dtype, "--shape", *map(str, shape),
+           "--iters", str(iters), "--repeats", str(repeats)]
+
+    def gflops(proc: subprocess.Popen) -> float:
+        out, _ = proc.communicate(timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(proc.args)} exited with {proc.returncode}")
+        return json.loads(out.splitlines()[-1])["gflops"]
+
+    alone = gflops(subprocess.Popen([*cmd, "--cpu", str(cpus[0])], stdout=subprocess.PIPE, text=True))
+    # Every process waits for one start time, by when all of them have imported torch.
+    start_at = time.time() + TOGETHER_START_S
+    procs = [subprocess.Popen([*cmd, "--cpu", str(c), "--start-at", str(start_at)], stdout=subprocess.PIPE, text=True)
+             for c in cpus]
+    rates = [gflops(p) for p in procs]
+    return {"bench": "matmul_scaling", "dtype": dtype, "m": shape[0], "k": shape[1], "n": shape[2], "cpus": cpus,
+            "alone_gflops": alone, "together_gflops": rates, "scaling": round(sum(rates) / alone, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=3, default=[64, 512, 1536], metavar=("M", "K", "N"))
@@ -103,8 +140,20 @@ def main() -> None:
                         help="bf16 without native support can run at ~1 GFLOP/s: leave it out for big shapes")
     parser.add_argument("--model-rows", type=int, nargs="+", metavar="R",
                         help="instead: all the default model's linears (cold weights) over R rows, per R")
+    parser.add_argument("--together", type=int, nargs="+", metavar="CPU",
+                        help="instead: the matmul alone on the first CPU, then on all of them at once")
+    parser.add_argument("--cpu", type=int, help="pin this process to CPU")
+    parser.add_argument("--start-at", type=float, help=argparse.SUPPRESS)  # --together's children: a time.time()
     args = parser.parse_args()
+    if args.together:
+        for name in args.dtypes:
+            print(json.dumps(together(args.together, name, args.shape, args.iters, args.repeats)), flush=True)
+        return
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
     torch.set_num_threads(args.threads)
+    if args.start_at is not None:
+        time.sleep(max(0.0, args.start_at - time.time()))
     if args.model_rows:
         for name in args.dtypes:
             if not prepack_supported(getattr(torch, name), "cpu"):  # no oneDNN packing in this build
