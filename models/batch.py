@@ -60,11 +60,6 @@ class ModelBatch:
 
     batch_id: int
     chunks: list[SequenceChunk]
-    # The LM head's cost per sampled row, in decoder layers' cost per decode row, as the
-    # last stage last measured it (ModelOutput.head_cost, relayed by the engine). Every rank
-    # of a pipeline boundary weighs its moves with it (models.config.boundary_move), so all
-    # decide alike; None: the cost model's estimate.
-    head_cost: Optional[float] = None
 
 
 @dataclass
@@ -75,6 +70,3 @@ class ModelOutput:
     seq_ids: list[int]
     token_ids: list[int]
     logprobs: Optional[list[float]] = None
-    # The last stage's measure of its LM head against its layers (see ModelBatch.head_cost);
-    # None until it has timed enough decode steps, and on layouts without boundary moves.
-    head_cost: Optional[float] = None

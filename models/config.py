@@ -311,12 +311,7 @@ class BoundaryMove(enum.IntEnum):
 
 
 def boundary_move(
-    layout: "Layout",
-    num_tokens: int,
-    num_decode_rows: int,
-    num_sampled: int,
-    allow_back: bool = True,
-    head_layers_per_row: Optional[float] = None,
+    layout: "Layout", num_tokens: int, num_decode_rows: int, num_sampled: int, allow_back: bool = True
 ) -> BoundaryMove:
     """How much of the last boundary's layers a step moves across it.
 
@@ -325,9 +320,7 @@ def boundary_move(
     the busier on decode steps, whose head work is large. Of the moves the layout allows
     (`allow_back=False` rules out BACK), the one with the lowest estimated cost of the
     busier of the two stages wins (the cost model of `split_layers`), ties going to the
-    smaller move. The head weighs `head_layers_per_row` (a measured value, see
-    `HeadCostMeter`) or else the layout's estimate. Every rank of both stages decides
-    alike from the step's shape and that value.
+    smaller move. Every rank of both stages decides alike from the step's shape.
     """
     moves_forward = layout.move_boundary_mlp and layout.pp_size >= 2
     moves_back = allow_back and layout.moves_back
@@ -336,27 +329,19 @@ def boundary_move(
     stages = layout.stage_layers
     prompt = num_tokens - num_decode_rows
     per_layer = num_decode_rows + prompt * PROMPT_TOKEN_COST
-    moved = moved_work(layout, num_tokens, num_decode_rows, allow_back=moves_back)
-    head_cost = layout.head_layers_per_row if head_layers_per_row is None else head_layers_per_row
-    giver = len(stages[-2]) * per_layer
-    taker = len(stages[-1]) * per_layer + num_sampled * head_cost
-    return min(moved, key=lambda m: (max(giver - moved[m], taker + moved[m]), abs(m), m))
-
-
-def moved_work(layout: "Layout", num_tokens: int, num_decode_rows: int, allow_back: bool = True) -> dict[BoundaryMove, float]:
-    """The work each allowed move takes to the last stage (negative: from it), in decode rows through a layer."""
-    prompt = num_tokens - num_decode_rows
-    per_layer = num_decode_rows + prompt * PROMPT_TOKEN_COST
     mlp = num_decode_rows * DECODE_MLP_SHARE + prompt * PROMPT_TOKEN_COST * PROMPT_MLP_SHARE
     kv = num_decode_rows * DECODE_KV_SHARE + prompt * PROMPT_TOKEN_COST * PROMPT_KV_SHARE
+    head = num_sampled * layout.head_layers_per_row
+    giver = len(stages[-2]) * per_layer
+    taker = len(stages[-1]) * per_layer + head
     moved = {BoundaryMove.NONE: 0.0}
-    if layout.move_boundary_mlp and layout.pp_size >= 2:
+    if moves_forward:
         moved[BoundaryMove.MLP] = mlp
         if layout.moves_attention:
             moved[BoundaryMove.LAYER] = per_layer - kv
-    if allow_back and layout.moves_back:
+    if moves_back:
         moved[BoundaryMove.BACK] = mlp - per_layer  # the attention half, the other way
-    return moved
+    return min(moved, key=lambda m: (max(giver - moved[m], taker + moved[m]), abs(m), m))
 
 
 def split_layers(

@@ -57,10 +57,8 @@ from models.config import (
     boundary_move,
     check_layout,
     load_config,
-    moved_work,
     resolve_dtype,
 )
-from models.head_cost import HeadCostMeter
 from models.host_memory import keep_freed_memory as _keep_freed_memory
 from models.kernel_warmup import KernelSet
 from models.kv_cache import PagedKVCache
@@ -238,10 +236,6 @@ class LlamaWorker:
         self._back_pending: collections.deque[_Writeback] = collections.deque()
         self._back_stale = False  # a step too large for the ring ran: no more BACK moves
         self._back_allowed = True  # set_move_back
-        # The last stage's LM head against its layers, for the boundary moves (models/head_cost.py).
-        self.head_cost = HeadCostMeter()
-        self._layers_seconds = 0.0  # this step's layers, on the last stage
-        self._layers_run = 0.0  # and how many layers' worth of work that was (moves included)
         # Bytes of one token's keys and values of one layer on this rank (the ring back's unit).
         self._kv_row_bytes = (
             2 * self.layout.num_local_kv_heads * self.args.head_dim * torch.empty((), dtype=self.dtype).element_size()
@@ -269,7 +263,6 @@ class LlamaWorker:
         self._steps = 0
         self._moved_mlp_steps = 0  # steps that ran the boundary MLP on the last stage
         self._moved_attention_steps = 0  # of those, steps that ran the boundary attention there too
-        self._measured_head_cost_steps = 0  # steps whose moves weighed the head as measured (ModelBatch.head_cost)
         self._moved_back_steps = 0  # steps that ran the last stage's first attention half on the stage before
         self._writeback_steps = 0  # steps whose keys and values of that layer went back (or came back)
         self._tokens = 0
@@ -462,7 +455,6 @@ class LlamaWorker:
             chunks = step.sample_chunks
             tokens: list[int] = []
             logprobs = None
-            head_start = time.perf_counter()
             if rows is not None:
                 options = [c.sampling for c in chunks]
                 # Every rank of the last stage sees the same batch, so all take the same branch
@@ -475,14 +467,9 @@ class LlamaWorker:
                     logits = self.stage.compute_logits(rows)
                     if self.ctx.is_output_rank:
                         tokens, logprobs = sample(logits, options, [c.num_generated for c in chunks], self.generator)
-            if rows is not None and self._layers_run > 0 and step.num_tokens == step.num_decode_rows == len(chunks):
-                self.head_cost.observe(
-                    len(chunks), self._layers_run, self._layers_seconds, time.perf_counter() - head_start
-                )
             output = None
             if self.ctx.is_output_rank:
-                head_cost = self.head_cost.value if self._boundary_moves else None
-                output = ModelOutput(batch.batch_id, [c.seq_id for c in chunks], tokens, logprobs, head_cost)
+                output = ModelOutput(batch.batch_id, [c.seq_id for c in chunks], tokens, logprobs)
         end = time.perf_counter()
         self._execute_seconds += end - start
         self._trace.append((batch.batch_id, start, self._recv_done, end))
@@ -520,12 +507,11 @@ class LlamaWorker:
             return step, None
         layout = self.layout
         move = BoundaryMove.NONE
-        allow_back = self._back_allowed and not self._back_stale
-        if self._boundary_moves:
-            self._measured_head_cost_steps += batch.head_cost is not None
+        at_boundary = layout.lends_mlp or layout.borrowed_mlp is not None
+        if at_boundary or layout.borrowed_next is not None or layout.lends_back:
             move = boundary_move(
                 layout, step.num_tokens, step.num_decode_rows, int(step.sample_rows.numel()),
-                allow_back=allow_back, head_layers_per_row=batch.head_cost,
+                allow_back=self._back_allowed and not self._back_stale,
             )
         if move in (BoundaryMove.MLP, BoundaryMove.LAYER):
             self._moved_mlp_steps += 1
@@ -559,14 +545,7 @@ class LlamaWorker:
             self._recv(*incoming)
             self._recv_done = time.perf_counter()
             self._recv_seconds += self._recv_done - waited
-        layers_start = time.perf_counter()
         h = stage(x, step, cache, move=move, boundary_kv=boundary_kv, next_kv=next_kv)
-        self._layers_run = 0.0
-        if ctx.is_last_stage and step.num_decode_rows:
-            self._layers_seconds = time.perf_counter() - layers_start
-            # The work the move took to (or from) this stage, in layers (decode rows only: see execute_model).
-            moved = moved_work(layout, step.num_tokens, step.num_decode_rows, allow_back=allow_back)
-            self._layers_run = len(layout.layers) + moved.get(move, 0.0) / step.num_decode_rows
         if not ctx.is_last_stage:
             outgoing = [h]
             if layout.lends_attention:
@@ -669,12 +648,6 @@ class LlamaWorker:
 
     # ----- health and stats -----
 
-    @property
-    def _boundary_moves(self) -> bool:
-        """Whether this rank's steps may move work across the last pipeline boundary."""
-        layout = self.layout
-        return layout.lends_mlp or layout.borrowed_mlp is not None or layout.borrowed_next is not None or layout.lends_back
-
     def set_move_back(self, allowed: bool) -> bool:
         """Allows or forbids BACK moves from the next step on; returns whether they can happen.
 
@@ -716,8 +689,6 @@ class LlamaWorker:
             "moved_mlp_steps": self._moved_mlp_steps,
             "moved_attention_steps": self._moved_attention_steps,
             "moved_back_steps": self._moved_back_steps,
-            "measured_head_cost_steps": self._measured_head_cost_steps,
-            "head_cost": self.head_cost.value,  # measured on the last stage (models/head_cost.py); else None
             "writeback_steps": self._writeback_steps,
             "borrowed_next": self.layout.borrowed_next,
             "borrowed_mlp": self.layout.borrowed_mlp,

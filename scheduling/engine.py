@@ -49,19 +49,9 @@ class Engine:
         step_timeout: deadline of each execute_model call in seconds (None: the
             supervisor's call_timeout). A queued batch's clock starts when the
             one ahead of it finishes.
-        relay_head_cost: send the LM head's cost that the last stage last reported
-            (`ModelOutput.head_cost`) with every batch, so that all ranks of the pipeline
-            boundary weigh their moves with the same measured value.
     """
 
-    def __init__(
-        self,
-        supervisor: Supervisor,
-        scheduler: Scheduler,
-        *,
-        step_timeout: Optional[float] = None,
-        relay_head_cost: bool = True,
-    ) -> None:
+    def __init__(self, supervisor: Supervisor, scheduler: Scheduler, *, step_timeout: Optional[float] = None) -> None:
         self.supervisor = supervisor
         self.scheduler = scheduler
         self.max_inflight = supervisor.max_inflight
@@ -69,8 +59,6 @@ class Engine:
             logger.debug("scheduler groups %d -> %d (in-flight slots)", scheduler.num_groups, self.max_inflight)
             scheduler.num_groups = self.max_inflight
         self.step_timeout = step_timeout
-        self.relay_head_cost = relay_head_cost
-        self.head_cost: Optional[float] = None  # the last one the last stage reported
         self._queue: collections.deque[tuple[ModelBatch, Future]] = collections.deque()
         self._owner: dict[int, int] = {}  # seq id -> id of the in-flight batch that holds it
         self._submitted: dict[int, tuple[float, int]] = {}  # batch id -> (when submitted, tokens)
@@ -153,8 +141,6 @@ class Engine:
         self.num_batches += 1
         self.num_tokens += tokens
         self._submitted[batch.batch_id] = (time.perf_counter(), tokens)
-        if self.relay_head_cost:
-            batch.head_cost = self.head_cost
         try:
             # critical: a rank failing mid-step leaves its peers inside a collective, so the gang is broken.
             return self.supervisor.submit("execute_model", args=(batch,), timeout=self.step_timeout, critical=True)
@@ -183,8 +169,6 @@ class Engine:
         start = time.perf_counter()
         submitted, tokens = self._submitted.pop(batch.batch_id)
         self._trace.append((batch.batch_id, submitted, start, len(batch.chunks), tokens))
-        if output.head_cost is not None:
-            self.head_cost = output.head_cost
         finished = self.scheduler.update(batch, output)
         self.update_seconds += time.perf_counter() - start
         return finished
@@ -239,7 +223,6 @@ class Engine:
             "num_recoveries": self.num_recoveries,
             "num_tokens": self.num_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
-            "head_cost": self.head_cost,
             "schedule_seconds": self.schedule_seconds,
             "update_seconds": self.update_seconds,
         }

@@ -159,10 +159,6 @@ class LLM:
             decode-heavy steps, whose LM head work is large, can run it there; kept only
             where the cost model would use it (it costs that stage one more layer of KV
             blocks, so every rank's budget holds fewer); True by default.
-        measured_head_cost: with pp > 1, the moves across the last boundary weigh the LM
-            head as the last stage measures it against its layers (models/head_cost.py,
-            relayed with every batch) instead of by the cost model's fixed estimate once it
-            has timed a few decode steps; True by default.
         shm_handoff: on CPU with pp > 1, hidden states go to the next stage through a
             shared-memory ring (models/shm_handoff.py) instead of gloo's send/recv; True
             by default, gloo where the ring cannot be mapped.
@@ -225,7 +221,6 @@ class LLM:
         move_boundary_mlp: bool = True,
         move_boundary_attention: bool = True,
         move_boundary_back: bool = True,
-        measured_head_cost: bool = True,
         shm_handoff: bool = True,
         norm_rope_kernels: bool = True,
         kv_write_kernel: bool = True,
@@ -399,9 +394,7 @@ class LLM:
                 num_groups=self.supervisor.max_inflight,
                 eos_token_ids=eos_token_ids(self.model),
             )
-            self.engine = Engine(
-                self.supervisor, self.scheduler, step_timeout=step_timeout, relay_head_cost=measured_head_cost
-            )
+            self.engine = Engine(self.supervisor, self.scheduler, step_timeout=step_timeout)
             self.tokenizer = tokenizer.result()
         except BaseException:
             if warmup is not None:

@@ -24,7 +24,6 @@ from models.config import (
     boundary_move,
     lm_head_layers,
     load_config,
-    moved_work,
     split_layers,
 )
 from models.kv_cache import PagedKVCache
@@ -321,30 +320,6 @@ def test_the_boundary_mlp_moves_to_the_last_stage_on_prompt_heavy_steps():
     four = [Layout(default_model_args(), pp=s, pp_size=4, move_boundary_mlp=True) for s in range(4)]
     assert [lay.lends_mlp for lay in four] == [False, False, True, False]
     assert [lay.borrowed_mlp for lay in four] == [None, None, None, four[3].layers.start - 1]
-
-
-def test_a_measured_head_cost_decides_whether_decode_moves_attention_back():
-    # The default model at PP2 (5, 3): the estimate weighs the head at ~2.8 layers a row, so a
-    # decode step runs the last stage's first attention half on the stage before (5.67 against
-    # 4.8 layers, not 5 against 5.8). Measured at 2.1 (as on the EPYC of 2026-12-07) the last
-    # stage is the lighter one without the move; measured at 4 it moves even more surely.
-    layouts = [Layout(default_model_args(), pp=s, pp_size=2, move_boundary_mlp=True, move_boundary_back=True)
-               for s in (0, 1)]
-    assert all(lay.moves_back for lay in layouts)
-    for lay in layouts:  # both stages decide alike
-        assert boundary_move(lay, 32, 32, 32) == BoundaryMove.BACK
-        assert boundary_move(lay, 32, 32, 32, head_layers_per_row=2.1) == BoundaryMove.NONE
-        assert boundary_move(lay, 32, 32, 32, head_layers_per_row=4.0) == BoundaryMove.BACK
-        assert boundary_move(lay, 32, 32, 32, allow_back=False, head_layers_per_row=4.0) == BoundaryMove.NONE
-        # A head measured as nearly free leaves the last stage short on decode steps too: its MLP moves there.
-        assert boundary_move(lay, 32, 32, 32, head_layers_per_row=0.5) == BoundaryMove.MLP
-    # What each move takes to the last stage, in decode rows through a layer: the MLP share
-    # one way, the attention half the other.
-    moved = moved_work(layouts[0], 32, 32)
-    assert moved[BoundaryMove.NONE] == 0.0
-    assert moved[BoundaryMove.MLP] == pytest.approx(32 * models.config.DECODE_MLP_SHARE)
-    assert moved[BoundaryMove.BACK] == pytest.approx(-32 * (1 - models.config.DECODE_MLP_SHARE))
-    assert BoundaryMove.BACK not in moved_work(layouts[0], 32, 32, allow_back=False)
 
 
 @pytest.mark.parametrize("attention", [False, True], ids=["mlp-only", "whole-layer"])

@@ -407,30 +407,6 @@ def test_attention_moved_back_to_the_stage_before_changes_no_token(heavy_head, t
     assert not wait_gone(pids) and not child_pids()
 
 
-@pytest.mark.parametrize("measured", [True, False], ids=["measured", "estimated"])
-def test_the_last_stage_measures_its_head_and_every_batch_carries_it(heavy_head, measured):
-    """The last stage times its LM head against its layers on decode steps of 8 rows or more and
-    returns the value; the engine sends it with the next batches, and both stages weigh their
-    moves with it (measured_head_cost=False: the cost model's estimate). No token changes."""
-    path, expected = heavy_head
-    prompts = HEAVY_PROMPTS * 2  # two batch groups of 11 decode rows
-    with LLM(
-        path, pp=2, block_size=BLOCK, layer_split=(2, 2), max_num_seqs=len(prompts), measured_head_cost=measured,
-        start_timeout=120.0,
-    ) as llm:
-        pids = llm.supervisor.pids
-        outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
-        assert [o.token_ids for o in outputs] == expected * 2
-        stats = llm.supervisor.collective_rpc("get_stats")
-        assert stats[0]["head_cost"] is None  # only the last stage has a head to time
-        assert stats[1]["head_cost"] is not None and stats[1]["head_cost"] > 0
-        assert llm.engine.head_cost == stats[1]["head_cost"] == llm.engine.stats()["head_cost"]
-        steps = {s["measured_head_cost_steps"] for s in stats}
-        assert len(steps) == 1  # the stages saw the same batches
-        assert (steps.pop() > 0) == measured
-    assert not wait_gone(pids) and not child_pids()
-
-
 def test_plain_weights_and_default_malloc_give_the_same_tokens(reference):
     """prepack_weights, keep_freed_memory, decode_kernel, move_boundary_mlp, shm_handoff, norm_rope_kernels and
     kv_write_kernel off reach every rank and change no token."""

@@ -46,12 +46,6 @@ four combinations of BACK allowed or not (`LlamaWorker.set_move_back`) and two o
 batches in flight, one line per run, then {"bench": "pipeline_move_back", "back": {overlap
 of the runs with it}, "no_back": {...}, "back_over_no_back_2": [pairs], ...}. With BACK
 forbidden the copy is still kept, so the keys still come back after every step.
-`--alternate-head-cost ROUNDS` does the same for the LM head's weight in the boundary
-moves: as the last stage measures it (`LLM(measured_head_cost=True)`, the default) or
-as the cost model estimates it (`Engine.relay_head_cost` toggled between runs), then
-{"bench": "pipeline_head_cost", "measured": {...}, "estimated": {...},
-"measured_over_estimated_2": [pairs], ...}; each run's line carries the head cost the
-engine held when it started.
 `--pin-driver CPU` pins this process's threads (the engine's loop and the reply router)
 to one CPU once the gang is up: which core the driver's work lands on. `LLM` pins them
 itself by default (to the first stage's CPU in PP2, `scheduling.llm.driver_cpus`), and its
@@ -352,30 +346,6 @@ def alternate_back(rounds: int, dtype: str, engine_options: dict) -> list[dict]:
     return lines + [summary]
 
 
-def _set_head_cost_and_inflight(llm, arm: tuple[bool, int]) -> dict:
-    measured, inflight = arm
-    llm.engine.relay_head_cost = measured
-    return {"measured_head_cost": measured, "head_cost": llm.engine.head_cost, **_set_inflight(llm, inflight)}
-
-
-def alternate_head_cost(rounds: int, dtype: str, engine_options: dict) -> list[dict]:
-    """PP2 with boundary moves weighing the LM head as measured and as estimated, each with two
-    batches in flight and one, in one session (see the module docstring)."""
-    names = {True: "measured", False: "estimated"}
-    arms = [(measured, n) for measured in names for n in (2, 1)]
-    lines, speeds, work, utilization = _alternating(arms, rounds, dtype, engine_options, _set_head_cost_and_inflight)
-    summary: dict = {"bench": "pipeline_head_cost", "dtype": dtype, "rounds": rounds}
-    for measured, name in names.items():
-        pick = lambda d: {n: d[(measured, n)] for n in (2, 1)}  # noqa: E731
-        summary[name] = _overlap(pick(speeds), pick(work), pick(utilization))
-    for n in (2, 1):
-        summary[f"measured_over_estimated_{n}"] = [
-            round(a / b, 3) for a, b in zip(speeds[(True, n)], speeds[(False, n)])
-        ]
-    print(json.dumps(summary), flush=True)
-    return lines + [summary]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="pp2", choices=["pp2", "tp1_1thread", "tp1_2threads", "tp2", "tp2pp2"])
@@ -387,10 +357,6 @@ def main() -> None:
     parser.add_argument("--alternate-back", type=int, metavar="ROUNDS",
                         help="pp2 only: in one session, ROUNDS rounds of the four runs with BACK moves allowed or "
                              "not and 2 or 1 batches in flight; one line per run, then both overlaps")
-    parser.add_argument("--alternate-head-cost", type=int, metavar="ROUNDS",
-                        help="pp2 only: in one session, ROUNDS rounds of the four runs with the LM head weighed as "
-                             "measured or as estimated and 2 or 1 batches in flight; one line per run, then both "
-                             "overlaps")
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--layer-split", type=int, nargs="+", metavar="N")
     parser.add_argument("--pin-driver", type=int, metavar="CPU",
@@ -411,11 +377,6 @@ def main() -> None:
         if args.config != "pp2":
             parser.error("--alternate-back measures pp2; leave --config at pp2")
         alternate_back(args.alternate_back, args.dtype, options)
-        return
-    if args.alternate_head_cost:
-        if args.config != "pp2":
-            parser.error("--alternate-head-cost measures pp2; leave --config at pp2")
-        alternate_head_cost(args.alternate_head_cost, args.dtype, options)
         return
     inflights = args.inflight or ([2, 1] if args.config == "pp2" else [None])
     for inflight in inflights:

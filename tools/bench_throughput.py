@@ -85,7 +85,6 @@ ENGINE_SWITCHES = (
     ("--no-kv-write", "kv_write_kernel", "torch's indexing ops to store keys and values (LLM kv_write_kernel=False)"),
     ("--no-bf16-gemm", "bf16_gemm_kernel", "oneDNN's GEMM for bf16 linears (LLM bf16_gemm_kernel=False)"),
     ("--no-prompt-attention", "prompt_attention_kernel", "SDPA for bf16 prompt attention (LLM prompt_attention_kernel=False)"),
-    ("--no-measured-head-cost", "measured_head_cost", "boundary moves weigh the LM head by the cost model's estimate (LLM measured_head_cost=False)"),
     ("--no-pin-driver", "pin_driver", "this process's engine loop and reply router left to the OS (LLM pin_driver=False)"),
 )
 
