@@ -115,6 +115,25 @@ def test_the_targets_line_leaves_out_what_did_not_run():
         assert missing not in summary
 
 
+def test_a_measured_roof_is_the_sum_of_every_cpu_at_once_and_goes_into_the_targets_line(monkeypatch):
+    monkeypatch.setattr("bench_matmul.TOGETHER_START_S", 3.0)
+    roof = bench_throughput.measure_roof("float32", shape=(8, 64, 64), iters=20, repeats=2)
+    cpus = sorted(os.sched_getaffinity(0))
+    assert roof["cpus"] == cpus and len(roof["together_gflops"]) == len(cpus) and "bench" not in roof
+    assert roof["roof_gflops"] == pytest.approx(sum(roof["together_gflops"]), abs=0.1) and roof["alone_gflops"] > 0
+    runs = [_run("tp2", 0, 1250.0), _run("tp2", 1, 1300.0)]
+    summary = bench_throughput.targets(runs, bench_throughput.median_lines(runs), roof=roof)
+    assert summary["roof_gflops"] == roof["roof_gflops"] and summary["roof"] == roof
+    assert summary["best_roof_fraction"] == pytest.approx(summary["best_gflops"] / roof["roof_gflops"], abs=1e-3)
+
+
+def test_the_roof_is_a_positive_figure_or_auto():
+    assert bench_throughput._roof_arg("auto") == "auto" and bench_throughput._roof_arg("390") == 390.0
+    for bad in ("0", "-5", "fast"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench_throughput._roof_arg(bad)
+
+
 def test_plot_without_matplotlib_is_a_usage_error_before_anything_runs(monkeypatch, capsys):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))

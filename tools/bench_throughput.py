@@ -21,6 +21,7 @@ Usage:
     python tools/bench_throughput.py --plot bench.png    # also draw a bar chart (matplotlib)
     python tools/bench_throughput.py --dtype float32     # on a CPU without native bf16
     python tools/bench_throughput.py --repeats 3 --roof-gflops 390   # medians and the targets
+    python tools/bench_throughput.py --repeats 3 --roof-gflops auto  # the roof measured here first
 
 Engine options (--max-num-batched-tokens, --layer-split) apply to every engine
 configuration; the baseline ignores them. Without them a pipeline gets the engine's
@@ -251,14 +252,44 @@ def median_lines(lines: list[dict]) -> list[dict]:
     return out
 
 
-def targets(lines: list[dict], medians: list[dict], roof_gflops: Optional[float] = None) -> dict:
+# --roof-gflops auto: the matmul that measures the roof (large enough to run near it).
+ROOF_SHAPE = (2048, 2048, 2048)
+
+
+def measure_roof(dtype: str, shape: tuple[int, int, int] = ROOF_SHAPE, iters: int = 10, repeats: int = 5) -> dict:
+    """This machine's matmul roof in `dtype`, measured now: torch.mm in one one-thread process per CPU
+    this process may use, all at once (tools/bench_matmul.py --together); the roof is their sum."""
+    from bench_matmul import together
+
+    line = together(sorted(os.sched_getaffinity(0)), dtype, list(shape), iters, repeats)
+    line.pop("bench")
+    return {**line, "roof_gflops": round(sum(line["together_gflops"]), 1)}
+
+
+def _roof_arg(text: str):
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GFLOP/s or 'auto', got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive GFLOP/s, got {text!r}")
+    return value
+
+
+def targets(
+    lines: list[dict], medians: list[dict], roof_gflops: Optional[float] = None, roof: Optional[dict] = None
+) -> dict:
     """The issue's targets, from the median lines (and the runs, for the overlap round by round).
 
     pp2_overlap: PP2's output tokens/s over PP2 with one batch in flight (target 1.7);
     best_over_baseline: the fastest engine layout over transformers (target 2); best_gflops
-    and, given the roof, best_roof_fraction. A figure whose configurations did not run is
-    left out.
+    and, given the roof (a figure, or `roof` as `measure_roof` gives it, which is then
+    reported too), best_roof_fraction. A figure whose configurations did not run is left out.
     """
+    if roof is not None:
+        roof_gflops = roof["roof_gflops"]
     speed = {line["config"]: line["output_tokens_per_s"] for line in medians}
     out: dict[str, Any] = {"summary": "targets", "statistic": "median", "runs": max((m["runs"] for m in medians), default=0)}
     if "pp2" in speed and "pp2_inflight1" in speed:
@@ -282,6 +313,8 @@ def targets(lines: list[dict], medians: list[dict], roof_gflops: Optional[float]
         if roof_gflops:
             out["roof_gflops"] = roof_gflops
             out["best_roof_fraction"] = round(best["gflops"] / roof_gflops, 3)
+            if roof is not None:
+                out["roof"] = roof
     return out
 
 
@@ -349,9 +382,10 @@ def main() -> None:
                         help="the issue's workload is bfloat16; float32 where the CPU has no native bf16")
     parser.add_argument("--repeats", type=positive_int, default=1,
                         help="rounds of every configuration, interleaved; then median lines and the targets line")
-    parser.add_argument("--roof-gflops", type=float,
-                        help="the machine's compute roof (e.g. 390 for bf16 on this project's 2-core EPYC, "
-                             "../shared/reference/machine.md): the targets line gives the fastest layout's share of it")
+    parser.add_argument("--roof-gflops", type=_roof_arg,
+                        help="the machine's compute roof, for the targets line's share of it: GFLOP/s (e.g. 390 "
+                             "for bf16 on the 2-core EPYC of ../shared/reference/machine.md), or 'auto' to measure "
+                             "it before the runs (torch.mm on every CPU at once, tools/bench_matmul.py --together)")
     parser.add_argument("--num-prompts", type=positive_int, default=NUM_PROMPTS, help="timed prompts (the issue's: 64)")
     parser.add_argument("--input-len", type=positive_int, default=INPUT_LEN, help="prompt tokens (the issue's: 128)")
     parser.add_argument("--output-len", type=positive_int, default=OUTPUT_LEN, help="output tokens (the issue's: 64)")
@@ -379,6 +413,9 @@ def main() -> None:
             line = run_engine(args.one, args.dtype, engine_options, shape)
         print(json.dumps(line), flush=True)
         return
+    roof = None
+    if args.roof_gflops == "auto" and args.repeats > 1:  # only the targets line uses it
+        roof = measure_roof(args.dtype)
     lines = []
     for round_ in range(args.repeats):
         order = args.configs if round_ % 2 == 0 else args.configs[::-1]
@@ -393,7 +430,8 @@ def main() -> None:
         shown = median_lines(lines)
         for line in shown:
             print(json.dumps(line), flush=True)
-        print(json.dumps(targets(lines, shown, args.roof_gflops)), flush=True)
+        given = args.roof_gflops if roof is None and args.roof_gflops != "auto" else None
+        print(json.dumps(targets(lines, shown, given, roof)), flush=True)
     if args.plot:
         plot(shown, args.plot)
 
