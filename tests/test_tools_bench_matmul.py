@@ -51,3 +51,10 @@ def test_together_times_the_matmul_alone_then_on_every_cpu_at_once(monkeypatch):
     assert line["bench"] == "matmul_scaling" and line["cpus"] == cpus and line["dtype"] == "float32"
     assert line["alone_gflops"] > 0 and len(line["together_gflops"]) == 2 and min(line["together_gflops"]) > 0
     assert line["scaling"] == round(sum(line["together_gflops"]) / line["alone_gflops"], 3)
+
+
+def test_together_fails_on_a_cpu_it_cannot_pin_to(monkeypatch):
+    # The module's check afterwards finds no child left (the others are killed on the way out).
+    monkeypatch.setattr(bench_matmul, "TOGETHER_START_S", 0.0)
+    with pytest.raises(RuntimeError, match="exited with"):
+        bench_matmul.together([sorted(os.sched_getaffinity(0))[0], 10**6], "float32", [8, 64, 64], iters=5, repeats=1)

@@ -113,18 +113,28 @@ def together(cpus: list[int], dtype: str, shape: list[int], iters: int, repeats:
     cmd = [sys.executable, os.path.abspath(__file__), "--dtypes", dtype, "--shape", *map(str, shape),
            "--iters", str(iters), "--repeats", str(repeats)]
 
-    def gflops(proc: subprocess.Popen) -> float:
-        out, _ = proc.communicate(timeout=600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(proc.args)} exited with {proc.returncode}")
-        return json.loads(out.splitlines()[-1])["gflops"]
+    def measure(*extra: list[str]) -> list[float]:
+        procs: list[subprocess.Popen] = []
+        try:
+            for args in extra:
+                procs.append(subprocess.Popen([*cmd, *args], stdout=subprocess.PIPE, text=True))
+            rates = []
+            for proc in procs:
+                out, _ = proc.communicate(timeout=600)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{' '.join(proc.args)} exited with {proc.returncode}")
+                rates.append(json.loads(out.splitlines()[-1])["gflops"])
+            return rates
+        finally:
+            for proc in procs:  # none is left behind when one fails
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
 
-    alone = gflops(subprocess.Popen([*cmd, "--cpu", str(cpus[0])], stdout=subprocess.PIPE, text=True))
+    (alone,) = measure(["--cpu", str(cpus[0])])
     # Every process waits for one start time, by when all of them have imported torch.
     start_at = time.time() + TOGETHER_START_S
-    procs = [subprocess.Popen([*cmd, "--cpu", str(c), "--start-at", str(start_at)], stdout=subprocess.PIPE, text=True)
-             for c in cpus]
-    rates = [gflops(p) for p in procs]
+    rates = measure(*(["--cpu", str(c), "--start-at", str(start_at)] for c in cpus))
     return {"bench": "matmul_scaling", "dtype": dtype, "m": shape[0], "k": shape[1], "n": shape[2], "cpus": cpus,
             "alone_gflops": alone, "together_gflops": rates, "scaling": round(sum(rates) / alone, 3)}
 

@@ -40,7 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
@@ -266,7 +266,7 @@ def measure_roof(dtype: str, shape: tuple[int, int, int] = ROOF_SHAPE, iters: in
     return {**line, "roof_gflops": round(sum(line["together_gflops"]), 1)}
 
 
-def _roof_arg(text: str):
+def _roof_arg(text: str) -> Union[float, str]:
     if text == "auto":
         return text
     try:
@@ -430,7 +430,7 @@ def main() -> None:
         shown = median_lines(lines)
         for line in shown:
             print(json.dumps(line), flush=True)
-        given = args.roof_gflops if roof is None and args.roof_gflops != "auto" else None
+        given = None if args.roof_gflops == "auto" else args.roof_gflops
         print(json.dumps(targets(lines, shown, given, roof)), flush=True)
     if args.plot:
         plot(shown, args.plot)
