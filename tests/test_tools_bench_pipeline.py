@@ -132,3 +132,32 @@ def test_compute_and_utilization_split_the_overlap_into_work_and_busy_time():
     assert out["pair_utilization_ratios"] == [round(util_two / util_one, 3)]
     assert out["pair_ratios"][0] == pytest.approx(out["pair_work_ratios"][0] * out["pair_utilization_ratios"][0], abs=2e-3)
     assert out["utilization_medians"] == {"2": round(util_two, 3), "1": round(util_one, 3)}
+
+
+def test_phase_seconds_split_a_run_where_the_last_prompt_batch_came_back():
+    # (batch id, submitted, seen, chunks, tokens): two prompt batches (each 4 chunks of 128
+    # tokens, the second with 4 decode rows too), then decode batches of 32 rows.
+    batches = [
+        (0, *_s(0, 90), 4, 512), (1, *_s(1, 130), 8, 516),
+        (2, *_s(90, 110), 32, 32), (3, *_s(130, 150), 32, 32), (4, *_s(110, 170), 32, 32),
+    ]
+    assert bench_pipeline._phase_seconds(batches) == {"prefill": 0.13, "decode": 0.04}
+    # A run with no prompt batch is all decode.
+    assert bench_pipeline._phase_seconds(batches[2:]) == {"prefill": 0.0, "decode": pytest.approx(0.08)}
+
+
+def test_phase_ratios_pair_the_runs_in_order_per_phase():
+    lines = [
+        {"max_inflight": 2, "phase_s": {"prefill": 0.5, "decode": 0.8}},
+        {"max_inflight": 1, "phase_s": {"prefill": 0.9, "decode": 1.2}},
+        {"max_inflight": 1, "phase_s": {"prefill": 1.0, "decode": 1.4}},
+        {"max_inflight": 2, "phase_s": {"prefill": 0.55, "decode": 0.7}},
+        {"max_inflight": 2, "phase_s": {"prefill": 0.5, "decode": 0.75}},
+        {"max_inflight": 1, "phase_s": {"prefill": 0.95, "decode": 1.25}},
+    ]
+    out = bench_pipeline._phase_ratios(lines)
+    assert out["pair_phase_ratios"] == {
+        "prefill": [round(0.9 / 0.5, 3), round(1.0 / 0.55, 3), round(0.95 / 0.5, 3)],
+        "decode": [round(1.2 / 0.8, 3), round(1.4 / 0.7, 3), round(1.25 / 0.75, 3)],
+    }
+    assert out["phase_ratio_medians"] == {"prefill": round(1.0 / 0.55, 3), "decode": round(1.25 / 0.75, 3)}

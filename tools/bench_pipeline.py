@@ -40,6 +40,9 @@ steps' `decode_stage_ms_per_batch` and `decode_period_ms`), then
 exactly into `pair_work_ratios` (the one-batch run's work over the two-batch run's: below
 1 when two smaller batches cost more) times `pair_utilization_ratios` (the two-batch
 run's utilization over the one-batch run's: 2 for perfect overlap of two stages).
+Each run line also splits its time in `phase_s` at the moment the driver held the last
+prompt batch's result ("prefill", then "decode"), and the summary's `pair_phase_ratios`
+and `phase_ratio_medians` give each phase's overlap: which phase falls short of 2.
 `--alternate-back ROUNDS` compares the BACK move (the last stage's first attention half
 run on stage 0 in decode-heavy steps) with none, in one PP2 session: each round runs the
 four combinations of BACK allowed or not (`LlamaWorker.set_move_back`) and two or one
@@ -171,6 +174,37 @@ def _is_prefill(chunks: int, tokens: int) -> bool:
     return tokens > chunks
 
 
+def _phase_seconds(batches: list[tuple]) -> dict[str, float]:
+    """A run's wall time split at the moment the driver held its last prompt batch's result.
+
+    "prefill": from the first submit to then (decode rows ride along in those batches);
+    "decode": from then to the last result. The two add up to the run as the engine saw it.
+    """
+    start = min(submitted for _, submitted, _, _, _ in batches)
+    end = max(seen for _, _, seen, _, _ in batches)
+    prompts_done = max((seen for _, _, seen, chunks, tokens in batches if _is_prefill(chunks, tokens)), default=start)
+    return {"prefill": round(prompts_done - start, 4), "decode": round(end - prompts_done, 4)}
+
+
+def _phase_ratios(lines: list[dict]) -> dict:
+    """Per phase, each pair's seconds with one batch in flight over its seconds with two, and their medians.
+
+    `lines`: `alternate`'s run lines in the order they ran; the n-th run of each arm makes
+    the n-th pair, as in `_overlap`. Which phase falls short of 2 is where the overlap is lost.
+    """
+    runs: dict[int, list[dict]] = {2: [], 1: []}
+    for line in lines:
+        runs[line["max_inflight"]].append(line["phase_s"])
+    pairs = {
+        phase: [round(one[phase] / two[phase], 3) for two, one in zip(runs[2], runs[1]) if two[phase] > 0]
+        for phase in ("prefill", "decode")
+    }
+    return {
+        "pair_phase_ratios": pairs,
+        "phase_ratio_medians": {phase: round(statistics.median(r), 3) for phase, r in pairs.items() if r},
+    }
+
+
 def _run_line(run_s: float, stages: list[dict], batches: list[tuple]) -> dict:
     """An alternating run's figures: speed, both stages' compute, utilization, and its decode steps' stage times and period."""
     compute = _compute_seconds(stages)
@@ -178,6 +212,7 @@ def _run_line(run_s: float, stages: list[dict], batches: list[tuple]) -> dict:
         "output_tokens_per_s": round(NUM_PROMPTS * OUTPUT_LEN / run_s, 1),
         "work_s": round(sum(compute), 3),
         "utilization": round(_utilization(compute, run_s), 3),
+        "phase_s": _phase_seconds(batches),
     }
     decode = [b for b, _, _, chunks, tokens in batches if not _is_prefill(chunks, tokens)]
     if decode:
@@ -318,6 +353,7 @@ def alternate(rounds: int, dtype: str, engine_options: dict, pin_driver: Optiona
         "rounds": rounds,
         "pin_driver": pin_driver,
         **_overlap(speeds, work, utilization),
+        **_phase_ratios(lines),
     }
     print(json.dumps(summary), flush=True)
     return lines + [summary]
