@@ -355,6 +355,16 @@ class LlamaWorker:
             argmax=self.layout.is_last_stage,
         )
 
+    def _kernels_in_use(self) -> dict[str, bool]:
+        """Which of our kernels this rank runs (each False where switched off or unable to run here)."""
+        return {
+            "decode_kernel": self.decode_kernel,
+            "norm_rope_kernels": self.norm_rope_kernels,
+            "kv_write_kernel": self.kv_write_kernel,
+            "bf16_gemm_kernel": self.bf16_gemm_kernel,
+            "prompt_attention_kernel": self.prompt_attention_kernel,
+        }
+
     def load_model(self) -> dict[str, Any]:
         """Builds this rank's stage, loads its weight shards and allocates its KV cache.
 
@@ -420,11 +430,7 @@ class LlamaWorker:
             "dtype": str(self.dtype).removeprefix("torch."),
             "load_seconds": self.load_seconds,
             "packed_weights": self.num_packed,
-            "decode_kernel": self.decode_kernel,
-            "norm_rope_kernels": self.norm_rope_kernels,
-            "kv_write_kernel": self.kv_write_kernel,
-            "bf16_gemm_kernel": self.bf16_gemm_kernel,
-            "prompt_attention_kernel": self.prompt_attention_kernel,
+            **self._kernels_in_use(),
         }
 
     def _num_blocks(self) -> int:
@@ -709,11 +715,7 @@ class LlamaWorker:
             "kv_mirror_refilled_rows": mirror.refilled_rows if mirror is not None else 0,
             "kv_mirror_fallbacks": mirror.fallbacks if mirror is not None else 0,
             "packed_weights": self.num_packed,
-            "decode_kernel": self.decode_kernel,
-            "norm_rope_kernels": self.norm_rope_kernels,
-            "kv_write_kernel": self.kv_write_kernel,
-            "bf16_gemm_kernel": self.bf16_gemm_kernel,
-            "prompt_attention_kernel": self.prompt_attention_kernel,
+            **self._kernels_in_use(),
             "keeps_freed_memory": self.keeps_freed_memory,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),

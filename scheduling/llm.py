@@ -306,28 +306,21 @@ class LLM:
         )
         if kv_mirror_bytes is not None:
             worker_kwargs["kv_mirror_bytes"] = int(kv_mirror_bytes)
-        if not prepack_weights:
-            worker_kwargs["prepack_weights"] = False
-        if not keep_freed_memory:
-            worker_kwargs["keep_freed_memory"] = False
-        if not decode_kernel:
-            worker_kwargs["decode_kernel"] = False
-        if not move_boundary_mlp:
-            worker_kwargs["move_boundary_mlp"] = False
-        if not move_boundary_attention:
-            worker_kwargs["move_boundary_attention"] = False
-        if not move_boundary_back:
-            worker_kwargs["move_boundary_back"] = False
-        if not shm_handoff:
-            worker_kwargs["shm_handoff"] = False
-        if not norm_rope_kernels:
-            worker_kwargs["norm_rope_kernels"] = False
-        if not kv_write_kernel:
-            worker_kwargs["kv_write_kernel"] = False
-        if not bf16_gemm_kernel:
-            worker_kwargs["bf16_gemm_kernel"] = False
-        if not prompt_attention_kernel:
-            worker_kwargs["prompt_attention_kernel"] = False
+        # Switches that are on by default in the worker: only the ones turned off are passed.
+        switches = dict(
+            prepack_weights=prepack_weights,
+            keep_freed_memory=keep_freed_memory,
+            decode_kernel=decode_kernel,
+            move_boundary_mlp=move_boundary_mlp,
+            move_boundary_attention=move_boundary_attention,
+            move_boundary_back=move_boundary_back,
+            shm_handoff=shm_handoff,
+            norm_rope_kernels=norm_rope_kernels,
+            kv_write_kernel=kv_write_kernel,
+            bf16_gemm_kernel=bf16_gemm_kernel,
+            prompt_attention_kernel=prompt_attention_kernel,
+        )
+        worker_kwargs.update({name: False for name, on in switches.items() if not on})
         if num_threads is not None:
             worker_kwargs["num_threads"] = int(num_threads)
         if layer_split is not None:
