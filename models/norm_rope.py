@@ -5,7 +5,12 @@ is a handful of ops over small tensors: the norm five, the rotation of one tenso
 (a slice, a negation, a cat, two multiplies, an add), each with its own dispatch and
 temporary. On one Zen 4 core, bfloat16, per call (`tools/bench_norm_rope.py --ops`): a
 32-row norm 26 -> 15 us and the rotation of a 32-row step's queries and keys 45 -> 24 us;
-at 512 rows 212 -> 115 and 397 -> 171 us.
+at 512 rows 212 -> 115 and 397 -> 171 us. The kernels take addresses rather than numpy
+arrays, as the GEMM kernel does (models/bf16_gemm.py): on the faster host of 2026-12-08 that
+took a 32-row norm from 11.1 to 8.2 us and the rotation from 14.1 to 9.8 (torch's: 20-22
+and 37-38); in a 32-row decode step of the whole model (`tools/bench_step.py --parts`, two
+runs each way) the norms went from 0.33-0.37 to 0.24-0.30 ms and the rotations from
+0.27-0.29 to 0.22-0.25.
 
 Same numbers as torch: the rotation rounds where torch's ops round, so its output is
 torch's bit for bit (checked when the kernels are built); the norm computes in float32
@@ -82,9 +87,12 @@ def _kernels(dtype: torch.dtype) -> Optional[tuple[_Kernel, _Kernel]]:
     One source per op; each dtype is compiled on its own first call (in _check), so a
     rank builds its own dtype's only.
     """
+    bits = dtype == torch.bfloat16
     return load_checked(
         "models.norm_rope_kernels",
-        lambda kern: (kern.rms_norm, kern.rotary),
+        lambda kern: (
+            (kern.rms_norm_bits_at, kern.rotary_bits_at) if bits else (kern.rms_norm_float32_at, kern.rotary_float32_at)
+        ),
         functools.partial(_check, dtype),
         f"{dtype} norm and rotary kernels",
         "RMSNorm and rotary embeddings use torch's ops",
@@ -97,16 +105,19 @@ def prepare(dtype: Optional[torch.dtype] = None) -> bool:
     return all(_kernels(d) is not None for d in ([dtype] if dtype is not None else _BITS))
 
 
+# The kernels take addresses (see models/norm_rope_kernels.py): the callers below check
+# that every tensor is a contiguous CPU tensor of the kernel's dtype and shape first.
+
+
 def _run_norm(kernel: _Kernel, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
-    bits = _BITS[x.dtype]
-    kernel(x.view(bits).numpy(), weight.detach().view(bits).numpy(), out.view(bits).numpy(), float(eps))
+    kernel(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], float(eps))
     return out
 
 
 def _run_rotary(kernel: _Kernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    bits = _BITS[x.dtype]
-    kernel(x.view(bits).numpy(), cos.view(bits).numpy(), sin.view(bits).numpy())
+    rows, heads, dim = x.shape
+    kernel(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, dim)
     return x
 
 
