@@ -149,7 +149,6 @@ class Supervisor:
         self.start_timeout = start_timeout
         self.backend = backend
         runner = RayBackend(ray_options, self._ranks) if backend == "ray" else ProcessBackend()
-        self.driver_cpus = driver_cpus
         self._rt = Runtime(spec, self.policy, max_inflight, start_timeout, shutdown_grace, runner, driver_cpus)
         try:
             self._authkey = os.urandom(32)
@@ -187,6 +186,11 @@ class Supervisor:
 
     def coords(self, global_rank: int) -> tuple[int, int]:
         return self._ranks.coords(global_rank)
+
+    @property
+    def driver_cpus(self) -> Optional[list[int]]:
+        """The CPUs the reply router's thread runs on (None: wherever the OS puts it)."""
+        return self._rt.driver_cpus
 
     @property
     def control_address(self) -> Address:
