@@ -261,6 +261,8 @@ class KVMirror:
         For a layer whose new keys this rank does not compute this step (they arrive later,
         `write_late`): `commit` marks the rows valid for every layer at once.
         """
+        if not plan.refills:  # most decode steps: indexing the buffers alone costs a few us a layer
+            return
         buf_k, buf_v = plan.entry.kv[layer, 0], plan.entry.kv[layer, 1]
         bs = self.block_size
         for row, blocks in plan.refills:
