@@ -6,7 +6,7 @@ over 64 rows, and every call cost about 14 us before any arithmetic: a large par
 what makes two 32-row pipeline batches cost more than one 64-row batch. The kernel in
 models/bf16_gemm_kernels.py keeps 8 rows by 32 columns of float32 sums in registers,
 hints the next panel of weights into L2 while it computes, and is called with raw
-addresses (about 2 us a call, 7 through `PackedWeight`): 170-210 GFLOP/s at 32 rows
+addresses (about 2 us a call, 4-5 through `PackedWeight`): 170-210 GFLOP/s at 32 rows
 from memory, 200-215 at 64, and level with oneDNN from 512 rows up.
 
 A rank with one intra-op thread runs it on that thread. One with more splits the

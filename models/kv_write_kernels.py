@@ -7,6 +7,9 @@ A pure copy: values are moved as their bits (int16 for 2-byte dtypes, int32 for
 from __future__ import annotations
 
 import numba
+import numpy as np
+
+from models.numba_pointer import pointer
 
 
 @numba.njit(nogil=True, cache=True)
@@ -48,3 +51,36 @@ def write_kv(k, v, slots, paged_k, paged_v, take, rows, positions, mirror_k, mir
             for j in range(dim):
                 mirror_k[r, h, p, j] = k[t, h, j]
                 mirror_v[r, h, p, j] = v[t, h, j]
+
+
+# Entry points that take the step's tensors by address: converting k, v and four index
+# tensors to numpy arrays cost about 10 us of a 14 us call, and a decode step makes one
+# call a layer. The cache's and the mirror's buffers stay arrays (viewed once, `bits`).
+# The caller (models/kv_write.py) checks dtypes, layouts and shapes first; the indices
+# are checked here, by `write_kv`. One entry per element size, so that a rank compiles
+# only its cache's.
+
+
+@numba.njit(nogil=True, cache=True)
+def write_kv_int16_at(k, v, n, slots, paged_k, paged_v, take, rows, positions, b, mirror_k, mirror_v):  # noqa: ANN001
+    """`write_kv` of 2-byte values: k, v [n, H, D] and slots [n] (int64) at addresses, take, rows,
+    positions [b] (int64) at addresses; the buffers as arrays of their bits."""
+    heads, dim = paged_k.shape[1], paged_k.shape[2]
+    write_kv(
+        numba.carray(pointer(k, np.int16), (n, heads, dim)), numba.carray(pointer(v, np.int16), (n, heads, dim)),
+        numba.carray(pointer(slots, np.int64), (n,)), paged_k, paged_v,
+        numba.carray(pointer(take, np.int64), (b,)), numba.carray(pointer(rows, np.int64), (b,)),
+        numba.carray(pointer(positions, np.int64), (b,)), mirror_k, mirror_v,
+    )
+
+
+@numba.njit(nogil=True, cache=True)
+def write_kv_int32_at(k, v, n, slots, paged_k, paged_v, take, rows, positions, b, mirror_k, mirror_v):  # noqa: ANN001
+    """`write_kv_int16_at` for 4-byte values."""
+    heads, dim = paged_k.shape[1], paged_k.shape[2]
+    write_kv(
+        numba.carray(pointer(k, np.int32), (n, heads, dim)), numba.carray(pointer(v, np.int32), (n, heads, dim)),
+        numba.carray(pointer(slots, np.int64), (n,)), paged_k, paged_v,
+        numba.carray(pointer(take, np.int64), (b,)), numba.carray(pointer(rows, np.int64), (b,)),
+        numba.carray(pointer(positions, np.int64), (b,)), mirror_k, mirror_v,
+    )

@@ -14,7 +14,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 from numba import types
-from numba.extending import intrinsic, overload
+from numba.extending import overload
+
+from models.numba_pointer import pointer
 
 # Reassociation for the sum of squares only, so LLVM can vectorise it. Nowhere else: no
 # "contract" either, since fusing a multiply and an add into one FMA skips the rounding
@@ -115,26 +117,13 @@ def rotary(x, cos, sin):  # noqa: ANN001 - typed by numba
 # (models/norm_rope.py) checks every shape, dtype and layout before it passes an address.
 
 
-@intrinsic
-def _pointer(typingctx, address, dtype):  # noqa: ANN001, ANN202 - typed by numba
-    """The int64 `address` as a pointer to values of `dtype` (a number class: np.int16, np.float32)."""
-    if not isinstance(address, types.Integer) or not isinstance(dtype, types.NumberClass):
-        return None
-    pointer = types.CPointer(dtype.instance_type)
-
-    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-        return builder.inttoptr(args[0], context.get_value_type(pointer))
-
-    return pointer(address, dtype), codegen
-
-
 @numba.njit(nogil=True, cache=True)
 def rms_norm_bits_at(x, weight, out, rows, dim, eps):  # noqa: ANN001 - typed by numba
     """`rms_norm` of bfloat16 tensors (read as int16 bits) at addresses x, weight, out: [rows, dim], [dim], [rows, dim]."""
     rms_norm(
-        numba.carray(_pointer(x, np.int16), (rows, dim)),
-        numba.carray(_pointer(weight, np.int16), (dim,)),
-        numba.carray(_pointer(out, np.int16), (rows, dim)),
+        numba.carray(pointer(x, np.int16), (rows, dim)),
+        numba.carray(pointer(weight, np.int16), (dim,)),
+        numba.carray(pointer(out, np.int16), (rows, dim)),
         eps,
     )
 
@@ -143,9 +132,9 @@ def rms_norm_bits_at(x, weight, out, rows, dim, eps):  # noqa: ANN001 - typed by
 def rms_norm_float32_at(x, weight, out, rows, dim, eps):  # noqa: ANN001 - typed by numba
     """`rms_norm` of float32 tensors at addresses x, weight, out: [rows, dim], [dim], [rows, dim]."""
     rms_norm(
-        numba.carray(_pointer(x, np.float32), (rows, dim)),
-        numba.carray(_pointer(weight, np.float32), (dim,)),
-        numba.carray(_pointer(out, np.float32), (rows, dim)),
+        numba.carray(pointer(x, np.float32), (rows, dim)),
+        numba.carray(pointer(weight, np.float32), (dim,)),
+        numba.carray(pointer(out, np.float32), (rows, dim)),
         eps,
     )
 
@@ -154,9 +143,9 @@ def rms_norm_float32_at(x, weight, out, rows, dim, eps):  # noqa: ANN001 - typed
 def rotary_bits_at(x, cos, sin, rows, heads, dim):  # noqa: ANN001 - typed by numba
     """`rotary` in place of a bfloat16 x [rows, heads, dim] at address x, with cos and sin [rows, dim]."""
     rotary(
-        numba.carray(_pointer(x, np.int16), (rows, heads, dim)),
-        numba.carray(_pointer(cos, np.int16), (rows, dim)),
-        numba.carray(_pointer(sin, np.int16), (rows, dim)),
+        numba.carray(pointer(x, np.int16), (rows, heads, dim)),
+        numba.carray(pointer(cos, np.int16), (rows, dim)),
+        numba.carray(pointer(sin, np.int16), (rows, dim)),
     )
 
 
@@ -164,7 +153,7 @@ def rotary_bits_at(x, cos, sin, rows, heads, dim):  # noqa: ANN001 - typed by nu
 def rotary_float32_at(x, cos, sin, rows, heads, dim):  # noqa: ANN001 - typed by numba
     """`rotary` in place of a float32 x [rows, heads, dim] at address x, with cos and sin [rows, dim]."""
     rotary(
-        numba.carray(_pointer(x, np.float32), (rows, heads, dim)),
-        numba.carray(_pointer(cos, np.float32), (rows, dim)),
-        numba.carray(_pointer(sin, np.float32), (rows, dim)),
+        numba.carray(pointer(x, np.float32), (rows, heads, dim)),
+        numba.carray(pointer(cos, np.float32), (rows, dim)),
+        numba.carray(pointer(sin, np.float32), (rows, dim)),
     )

@@ -58,14 +58,15 @@ def test_a_rank_compiles_its_own_dtype_only(script_env, tmp_path) -> None:
         print(*(str(d.signatures) for d in (norm_rope_kernels.rms_norm, norm_rope_kernels.rotary, kv_write_kernels.write_kv)), sep="\\n")
         # The entry points by address: bfloat16's built, float32's not.
         entries = (norm_rope_kernels.rms_norm_bits_at, norm_rope_kernels.rotary_bits_at,
-                   norm_rope_kernels.rms_norm_float32_at, norm_rope_kernels.rotary_float32_at)
+                   kv_write_kernels.write_kv_int16_at, norm_rope_kernels.rms_norm_float32_at,
+                   norm_rope_kernels.rotary_float32_at, kv_write_kernels.write_kv_int32_at)
         print("entries", *(len(d.signatures) for d in entries))
     """)
     env = dict(script_env, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     *signatures, entries = proc.stdout.splitlines()
-    assert entries == "entries 1 1 0 0"
+    assert entries == "entries 1 1 1 0 0 0"
     assert len(signatures) == 3
     for compiled in signatures:
         # One signature each, over bfloat16's int16 bits: no float32 (or int32) variant.
@@ -101,7 +102,7 @@ def test_the_rank_then_loads_every_kernel_from_the_cache(script_env, tmp_path) -
     assert warm_up(kernels, context, 2) is None  # stamped: the next start skips it
     from models import argmax_kernels, decode_attention_kernels, kv_write_kernels, norm_rope_kernels
     assert all(kernels.build().values())
-    dispatchers = [decode_attention_kernels.attend, kv_write_kernels.write_kv, norm_rope_kernels.rms_norm_float32_at,
+    dispatchers = [decode_attention_kernels.attend, kv_write_kernels.write_kv_int32_at, norm_rope_kernels.rms_norm_float32_at,
                    norm_rope_kernels.rotary_float32_at, argmax_kernels.argmax_float32]
     print("misses", sum(sum(d.stats.cache_misses.values()) for d in dispatchers))
     print("hits", min(sum(d.stats.cache_hits.values()) for d in dispatchers))

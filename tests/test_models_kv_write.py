@@ -81,7 +81,32 @@ def test_mismatched_shapes_raise_and_write_nothing() -> None:
         kv_write.write_kv(torch.randn(2, HEADS, DIM), torch.randn(2, HEADS, DIM), torch.tensor([0, 1, 2]), paged)
     with pytest.raises(ValueError, match="disagree"):
         kv_write.write_kv(torch.randn(2, HEADS, DIM), torch.randn(3, HEADS, DIM), torch.tensor([0, 1]), paged)
-    assert torch.equal(paged_k, before)
+    # The decode rows' indices and the mirror, which the kernel takes by address and as arrays.
+    k, v = torch.randn(2, 2, HEADS, DIM)
+    one, two = torch.tensor([0]), torch.tensor([0, 1])
+    mirror_bits = (kv_write.bits(mirror_k), kv_write.bits(mirror_v))
+    with pytest.raises(ValueError, match="disagree in length"):
+        kv_write.write_kv(k, v, two, paged, (two, one, two, *mirror_bits))
+    with pytest.raises(ValueError, match="1-D"):
+        kv_write.write_kv(k, v, two, paged, (two.view(2, 1), two.view(2, 1), two.view(2, 1), *mirror_bits))
+    wide = torch.zeros(ROWS, HEADS + 1, LEN, DIM)
+    with pytest.raises(ValueError, match="mirror's heads"):
+        kv_write.write_kv(k, v, two, paged, (two, two, two, kv_write.bits(wide), kv_write.bits(wide)))
+    assert torch.equal(paged_k, before) and not wide.any()
+
+
+def test_indices_of_another_integer_type_or_layout_store_the_same() -> None:
+    # The engine's indices are contiguous int64; others are converted, not misread.
+    k, v = torch.randn(2, 3, HEADS, DIM)
+    got, want = _caches(torch.float32), _caches(torch.float32)
+    slots = torch.tensor([[5, 0], [9, 0], [2, 0]])[:, 0]  # strided
+    take, rows, positions = torch.tensor([2, 0], dtype=torch.int32), torch.tensor([1, 4]), torch.tensor([3, 11])
+    assert kv_write.write_kv(k, v, slots.to(torch.int32), _paged_bits(*got[:2]),
+                             (take, rows, positions, kv_write.bits(got[2]), kv_write.bits(got[3])))
+    assert kv_write.write_kv(k, v, slots.contiguous(), _paged_bits(*want[:2]),
+                             (take.long(), rows, positions, kv_write.bits(want[2]), kv_write.bits(want[3])))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(got[0], _caches(torch.float32)[0])  # something was written
 
 
 def test_what_the_kernel_cannot_take_is_left_to_torch() -> None:
