@@ -42,6 +42,8 @@ from models.numba_kernels import load_checked, native_address, pool_size, run_sp
 __all__ = ["available", "mirror_decode_attention", "prepare", "supports"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
+# Each dtype's entry point by address (models/decode_attention_kernels.py).
+_ENTRIES = {torch.float32: "attend_float32_at", torch.bfloat16: "attend_bits_at"}
 
 
 _Kernel = Callable[..., None]
@@ -65,7 +67,7 @@ def _kernel(dtype: torch.dtype) -> Optional[_Kernel]:
     """The one-thread kernel for keys of `dtype`; None where numba is missing or it fails its check."""
     return load_checked(
         "models.decode_attention_kernels",
-        lambda kern: kern.attend,
+        lambda kern: getattr(kern, _ENTRIES[dtype]),
         lambda kernel: _check(lambda *a: _run(kernel, 1, *a, 0.3), dtype),
         f"{dtype} decode attention kernel",
         "decode attention uses SDPA",
@@ -84,10 +86,10 @@ def _parallel_kernel(dtype: torch.dtype) -> Optional[int]:
         return None
     like = torch.zeros(1, 1, 1, 8)
     kv = torch.zeros(1, 1, 1, 8, dtype=dtype)
-    args, _ = _arguments(like, kv, kv, torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 0.3)
+    args, _, _ = _arguments(like, kv, kv, torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 0.3)
     return load_checked(
         "models.decode_attention_kernels",
-        lambda kern: native_address(kern.attend, args + (0, 0)),
+        lambda kern: native_address(getattr(kern, _ENTRIES[dtype]), args + (0, 0)),
         lambda address: _check(lambda *a: _run(address, 2, *a, 0.3), dtype),
         f"parallel {dtype} decode attention kernel",
         "decode attention runs on one thread",
@@ -122,24 +124,26 @@ def supports(like: torch.Tensor) -> bool:
 
 def _arguments(
     q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, scale: float
-) -> tuple[tuple[Any, ...], torch.Tensor]:
-    """The kernel's arguments but the task range, and the float32 output they write.
+) -> tuple[tuple[Any, ...], torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The kernel's arguments but the task range, the float32 output they write, and the
+    tensors whose addresses they hold (keep them alive until the kernel returns).
 
-    Their types depend only on the keys' dtype (the pool's kernel is called by address,
-    compiled for exactly these): k_buf and v_buf must be C-contiguous.
+    Addresses and sizes, whose types are the same for every call (the pool's kernel is
+    called by address, compiled for exactly these): k_buf and v_buf must be C-contiguous
+    [R, kv_heads, len_cap, head_dim] (the caller checks).
     """
     import numpy as np
 
-    out = torch.empty(q.shape, dtype=torch.float32)
-    as_np: Callable[[torch.Tensor], Any] = (
-        (lambda t: t.view(torch.int16).numpy()) if k_buf.dtype == torch.bfloat16 else (lambda t: t.numpy())
-    )
-    rows, counts = (t.to(torch.int64).contiguous() for t in (rows, counts))
+    b, heads, groups, dim = q.shape
+    q = q.float().contiguous()
+    rows, counts = (t.to("cpu", torch.int64).contiguous() for t in (rows, counts))
+    out = torch.empty((b, heads, groups, dim), dtype=torch.float32)
+    slots, cap = k_buf.shape[0], k_buf.shape[2]
     args = (
-        q.float().contiguous().numpy(), as_np(k_buf), as_np(v_buf), rows.numpy(), counts.numpy(),
-        np.float32(scale), out.numpy(),
+        q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), rows.data_ptr(), counts.data_ptr(), np.float32(scale),
+        out.data_ptr(), b, heads, groups, dim, slots, cap,
     )
-    return args, out
+    return args, out, (q, k_buf, v_buf, rows, counts)
 
 
 def _run(
@@ -153,12 +157,13 @@ def _run(
     scale: float,
 ) -> torch.Tensor:
     """Runs every task: `kernel` on this thread (parts == 1), else the address `kernel` as `parts` ranges on numba's pool."""
-    args, out = _arguments(q, k_buf, v_buf, rows, counts, scale)
+    args, out, held = _arguments(q, k_buf, v_buf, rows, counts, scale)
     tasks = q.shape[0] * q.shape[1]
     if parts == 1:
         kernel(*args, 0, tasks)
     else:
         run_split(kernel, parts, tasks, args)
+    del held  # the addresses in args were of these
     return out
 
 
@@ -187,11 +192,22 @@ def mirror_decode_attention(
     1 <= counts[i] <= len_cap. Returns [B, kv_heads, groups, head_dim] in q's dtype (None, too,
     for a query that requires grad: the kernel has no backward).
     """
-    if not supports(k_buf) or q.requires_grad:
-        return None  # no backward here
-    if not (k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape == v_buf.shape):
+    if not supports(k_buf) or q.requires_grad or not q.is_cpu:
+        return None  # no backward here; the kernel reads CPU memory
+    if not (
+        k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape == v_buf.shape
+        and v_buf.dtype == k_buf.dtype and v_buf.is_cpu
+    ):
         return None
-    if q.dim() != 4 or q.shape[1] != k_buf.shape[1] or q.shape[3] != k_buf.shape[3] or q.shape[0] != rows.shape[0]:
+    if (
+        q.dim() != 4
+        or k_buf.dim() != 4
+        or q.shape[1] != k_buf.shape[1]
+        or q.shape[3] != k_buf.shape[3]
+        or rows.dim() != 1
+        or q.shape[0] != rows.shape[0]
+        or counts.shape != rows.shape
+    ):
         raise ValueError(
             f"decode attention: queries {tuple(q.shape)} do not match keys {tuple(k_buf.shape)} and {rows.shape[0]} rows"
         )

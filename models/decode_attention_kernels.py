@@ -20,6 +20,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from models.norm_rope_kernels import widen
+from models.numba_pointer import pointer
 
 # Reassociation lets LLVM vectorise the dot products and sums; no "nnan"/"ninf", so a
 # NaN or inf in the inputs is carried through rather than being undefined behaviour.
@@ -210,3 +211,43 @@ def attend(q, kbuf, vbuf, rows, counts, scale, out, lo, hi):  # noqa: ANN001 - t
         for g in range(groups):
             for d in range(dim):
                 out[i, h, g, d] = acc[g, d]
+
+
+# Entry points that take byte addresses and sizes instead of arrays: converting the
+# queries, both buffers, the rows and counts and the output to numpy arrays cost about
+# 18 us a call, and a decode step makes one call a layer. The caller
+# (models/decode_attention.py) checks every dtype, layout and shape first. One entry per
+# dtype of the keys and values, so that a rank compiles only its own.
+
+
+@numba.njit(fastmath=FASTMATH, nogil=True, cache=True)
+def attend_bits_at(q, kbuf, vbuf, rows, counts, scale, out, b, heads, groups, dim, slots, cap, lo, hi):  # noqa: ANN001
+    """`attend` over bfloat16 keys and values (int16 bits) [slots, heads, cap, dim] at kbuf and
+    vbuf, with float32 q and out [b, heads, groups, dim] and int64 rows and counts [b] at addresses."""
+    attend(
+        numba.carray(pointer(q, np.float32), (b, heads, groups, dim)),
+        numba.carray(pointer(kbuf, np.int16), (slots, heads, cap, dim)),
+        numba.carray(pointer(vbuf, np.int16), (slots, heads, cap, dim)),
+        numba.carray(pointer(rows, np.int64), (b,)),
+        numba.carray(pointer(counts, np.int64), (b,)),
+        scale,
+        numba.carray(pointer(out, np.float32), (b, heads, groups, dim)),
+        lo,
+        hi,
+    )
+
+
+@numba.njit(fastmath=FASTMATH, nogil=True, cache=True)
+def attend_float32_at(q, kbuf, vbuf, rows, counts, scale, out, b, heads, groups, dim, slots, cap, lo, hi):  # noqa: ANN001
+    """`attend_bits_at` over float32 keys and values."""
+    attend(
+        numba.carray(pointer(q, np.float32), (b, heads, groups, dim)),
+        numba.carray(pointer(kbuf, np.float32), (slots, heads, cap, dim)),
+        numba.carray(pointer(vbuf, np.float32), (slots, heads, cap, dim)),
+        numba.carray(pointer(rows, np.int64), (b,)),
+        numba.carray(pointer(counts, np.int64), (b,)),
+        scale,
+        numba.carray(pointer(out, np.float32), (b, heads, groups, dim)),
+        lo,
+        hi,
+    )

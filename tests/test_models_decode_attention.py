@@ -120,6 +120,25 @@ def test_a_mismatched_query_shape_is_a_clear_error() -> None:
         )
 
 
+def test_counts_that_do_not_match_the_rows_are_a_clear_error() -> None:
+    # The kernel reads rows and counts by address: their lengths are checked before.
+    kv = torch.randn(2, 2, 2, 8, 16)
+    q = torch.randn(2, 2, 2, 16)
+    with pytest.raises(ValueError, match="do not match"):
+        decode_attention.mirror_decode_attention(q, kv[0], kv[1], torch.tensor([0, 1]), torch.tensor([3]), 0.25)
+    with pytest.raises(ValueError, match="do not match"):
+        decode_attention.mirror_decode_attention(q, kv[0], kv[1], torch.tensor([[0, 1]]), torch.tensor([[3, 3]]), 0.25)
+
+
+def test_values_of_another_dtype_than_the_keys_are_left_to_sdpa() -> None:
+    # Read through the keys' dtype they would be garbage: no kernel call at all.
+    kv = torch.randn(2, 2, 2, 8, 16)
+    got = decode_attention.mirror_decode_attention(
+        torch.randn(2, 2, 2, 16), kv[0], kv[1].bfloat16(), torch.tensor([0, 1]), torch.tensor([3, 3]), 0.25
+    )
+    assert got is None
+
+
 def test_float16_and_non_cpu_keys_are_left_to_sdpa() -> None:
     kv = torch.randn(2, 2, 2, 8, 16).half()
     got = decode_attention.mirror_decode_attention(

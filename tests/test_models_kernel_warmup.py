@@ -102,7 +102,7 @@ def test_the_rank_then_loads_every_kernel_from_the_cache(script_env, tmp_path) -
     assert warm_up(kernels, context, 2) is None  # stamped: the next start skips it
     from models import argmax_kernels, decode_attention_kernels, kv_write_kernels, norm_rope_kernels
     assert all(kernels.build().values())
-    dispatchers = [decode_attention_kernels.attend, kv_write_kernels.write_kv_int32_at, norm_rope_kernels.rms_norm_float32_at,
+    dispatchers = [decode_attention_kernels.attend_float32_at, kv_write_kernels.write_kv_int32_at, norm_rope_kernels.rms_norm_float32_at,
                    norm_rope_kernels.rotary_float32_at, argmax_kernels.argmax_float32]
     print("misses", sum(sum(d.stats.cache_misses.values()) for d in dispatchers))
     print("hits", min(sum(d.stats.cache_hits.values()) for d in dispatchers))
