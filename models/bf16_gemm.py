@@ -6,7 +6,7 @@ over 64 rows, and every call cost about 14 us before any arithmetic: a large par
 what makes two 32-row pipeline batches cost more than one 64-row batch. The kernel in
 models/bf16_gemm_kernels.py keeps 8 rows by 32 columns of float32 sums in registers,
 hints the next panel of weights into L2 while it computes, and is called with raw
-addresses (about 2 us a call, 4-5 through `PackedWeight`): 170-210 GFLOP/s at 32 rows
+addresses (about 2 us a call; `PackedLinear` adds about 4, `tools/bench_calls.py`): 170-210 GFLOP/s at 32 rows
 from memory, 200-215 at 64, and level with oneDNN from 512 rows up.
 
 A rank with one intra-op thread runs it on that thread. One with more splits the
@@ -121,19 +121,13 @@ def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     m = a.shape[0]
     out = torch.empty((m, n), dtype=torch.bfloat16)
     if m:
-        parts = min(torch.get_num_threads(), _pool_size())
+        parts = min(torch.get_num_threads(), pool_size())
         pool = _parallel_kernel() if parts > 1 else None
         if pool is not None:
             run_split(pool, parts, panels, (a.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n))
         else:
             kernel(a.data_ptr(), packed.data_ptr(), out.data_ptr(), m, k, n)
     return out if len(shape) == 2 else out.view(*shape[:-1], n)
-
-
-@functools.lru_cache(maxsize=1)
-def _pool_size() -> int:
-    # Fixed once numba is loaded (NUMBA_NUM_THREADS), and numba is loaded by the time a kernel exists.
-    return pool_size()
 
 
 def _check(run: Callable[[int, int, int, int, int, int], None]) -> None:

@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from models.numba_kernels import load_checked, native_address, pool_size, run_split, uses_pool
+from models.numba_kernels import int64_index, load_checked, native_address, pool_size, run_split, uses_pool
 
 __all__ = ["available", "mirror_decode_attention", "prepare", "supports"]
 
@@ -136,7 +136,7 @@ def _arguments(
 
     b, heads, groups, dim = q.shape
     q = q.float().contiguous()
-    rows, counts = (t.to("cpu", torch.int64).contiguous() for t in (rows, counts))
+    rows, counts = int64_index(rows), int64_index(counts)
     out = torch.empty((b, heads, groups, dim), dtype=torch.float32)
     slots, cap = k_buf.shape[0], k_buf.shape[2]
     args = (
@@ -157,13 +157,13 @@ def _run(
     scale: float,
 ) -> torch.Tensor:
     """Runs every task: `kernel` on this thread (parts == 1), else the address `kernel` as `parts` ranges on numba's pool."""
-    args, out, held = _arguments(q, k_buf, v_buf, rows, counts, scale)
+    # `_held` keeps alive, until this returns, the tensors whose addresses `args` holds.
+    args, out, _held = _arguments(q, k_buf, v_buf, rows, counts, scale)
     tasks = q.shape[0] * q.shape[1]
     if parts == 1:
         kernel(*args, 0, tasks)
     else:
         run_split(kernel, parts, tasks, args)
-    del held  # the addresses in args were of these
     return out
 
 

@@ -214,8 +214,9 @@ def attend(q, kbuf, vbuf, rows, counts, scale, out, lo, hi):  # noqa: ANN001 - t
 
 
 # Entry points that take byte addresses and sizes instead of arrays: converting the
-# queries, both buffers, the rows and counts and the output to numpy arrays cost about
-# 18 us a call, and a decode step makes one call a layer. The caller
+# queries, both buffers, the rows and counts and the output to numpy arrays made preparing
+# a call cost 11-16 us instead of 4-8 (`tools/bench_calls.py`), and a decode step makes one
+# call a layer. The caller
 # (models/decode_attention.py) checks every dtype, layout and shape first. One entry per
 # dtype of the keys and values, so that a rank compiles only its own.
 

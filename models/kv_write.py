@@ -11,7 +11,7 @@ The result is torch's bit for bit (a copy). Shapes and indices are checked befor
 anything is written, as torch's ops check theirs. The cache's and the mirror's
 arrays are viewed for the kernel once (`bits`), not on every call, and the step's
 keys, values and indices go to it by address: converting a tensor costs about 1.5-2.7
-us, as much as the copy of a 32-row step's keys (a call went from 14 to 6.5 us).
+us, as much as the copy of a 32-row step's keys (`tools/bench_calls.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from models.numba_kernels import load_checked
+from models.numba_kernels import int64_index, load_checked
 
 __all__ = ["bits", "prepare", "supports", "write_kv"]
 
@@ -134,7 +134,7 @@ def write_kv(
         raise ValueError("keys, values and slots disagree in shape")
     if k.shape[1:] != paged_k.shape[1:]:
         raise ValueError("keys do not fit the KV cache's heads or head size")
-    slots = _index(slots)
+    slots = int64_index(slots)
     if mirror is None:
         take = rows = positions = _NO_INDEX
         mirror_k = mirror_v = _empty_mirror(paged_k)
@@ -142,7 +142,7 @@ def write_kv(
         take, rows, positions, mirror_k, mirror_v = mirror
         if mirror_k.itemsize != size or mirror_v.itemsize != size:
             return False
-        take, rows, positions = _index(take), _index(rows), _index(positions)
+        take, rows, positions = int64_index(take), int64_index(rows), int64_index(positions)
         if not take.shape == rows.shape == positions.shape:
             raise ValueError("decode rows, mirror rows and positions disagree in length")
     kernel(
@@ -150,12 +150,3 @@ def write_kv(
         take.data_ptr(), rows.data_ptr(), positions.data_ptr(), take.shape[0], mirror_k, mirror_v,
     )
     return True
-
-
-def _index(t: torch.Tensor) -> torch.Tensor:
-    """t as the kernel reads an index tensor: 1-D, contiguous int64 on the CPU (the engine's already are)."""
-    if t.dtype != torch.int64 or not t.is_cpu or not t.is_contiguous():
-        t = t.to("cpu", torch.int64).contiguous()
-    if t.dim() != 1:
-        raise ValueError(f"an index tensor must be 1-D, got shape {tuple(t.shape)}")
-    return t

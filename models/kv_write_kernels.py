@@ -54,8 +54,8 @@ def write_kv(k, v, slots, paged_k, paged_v, take, rows, positions, mirror_k, mir
 
 
 # Entry points that take the step's tensors by address: converting k, v and four index
-# tensors to numpy arrays cost about 10 us of a 14 us call, and a decode step makes one
-# call a layer. The cache's and the mirror's buffers stay arrays (viewed once, `bits`).
+# tensors to numpy arrays made a call cost 7-10 us instead of 4-7 (`tools/bench_calls.py`),
+# and a decode step makes one call a layer. The cache's and the mirror's buffers stay arrays (viewed once, `bits`).
 # The caller (models/kv_write.py) checks dtypes, layouts and shapes first; the indices
 # are checked here, by `write_kv`. One entry per element size, so that a rank compiles
 # only its cache's.

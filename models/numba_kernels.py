@@ -15,7 +15,7 @@ import logging
 from types import ModuleType
 from typing import Any, Callable, Optional, TypeVar
 
-__all__ = ["load_checked", "native_address", "pool_size", "run_split", "uses_pool"]
+__all__ = ["int64_index", "load_checked", "native_address", "pool_size", "run_split", "uses_pool"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,18 @@ def pool_size() -> int:
     except ImportError:
         return 1
     return int(numba.config.NUMBA_NUM_THREADS)
+
+
+def int64_index(t: Any) -> Any:
+    """Index tensor `t` as a kernel that takes it by address reads it: 1-D, contiguous int64 on
+    the CPU (the engine's already are, and come back as they are). ValueError if not 1-D."""
+    import torch
+
+    if t.dtype != torch.int64 or not t.is_cpu or not t.is_contiguous():
+        t = t.to("cpu", torch.int64).contiguous()
+    if t.dim() != 1:
+        raise ValueError(f"an index tensor must be 1-D, got shape {tuple(t.shape)}")
+    return t
 
 
 def uses_pool(threads: Optional[int] = None) -> bool:
